@@ -1,0 +1,53 @@
+"""vLLM plugin: DSA shared top-k state per dual-batch-overlap microbatch.
+
+vLLM calls `register()` in every process (API server, engine core, workers)
+before it builds a model.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from packaging.version import InvalidVersion, Version
+
+SUPPORTED_VLLM = "0.33.0"
+DISABLE_ENV = "VLLM_DSA_DBO_DISABLE"
+
+logger = logging.getLogger("vllm_dsa_dbo")
+
+
+def disabled_by_env() -> bool:
+    return os.environ.get(DISABLE_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
+def is_supported_vllm(version: str) -> bool:
+    """0.33.0 and its local builds; never a pre-release or another release."""
+    try:
+        parsed = Version(version)
+    except InvalidVersion:
+        return False
+    return parsed.public == SUPPORTED_VLLM
+
+
+def register() -> None:
+    """The `vllm.general_plugins` entry point; safe to call more than once."""
+    if disabled_by_env():
+        logger.info("vllm-dsa-dbo disabled by %s; nothing patched", DISABLE_ENV)
+        return
+    import vllm
+
+    if not is_supported_vllm(vllm.__version__):
+        logger.error(
+            "vllm-dsa-dbo supports vLLM %s only, found %s: NOT patching. DSA models "
+            "with shared top-k layers (GLM-5.x) give wrong results with "
+            "--enable-dbo on this vLLM unless it carries the fix itself. Install "
+            "vllm==%s, or a vllm-dsa-dbo release for your vLLM.",
+            SUPPORTED_VLLM,
+            vllm.__version__,
+            SUPPORTED_VLLM,
+        )
+        return
+    from vllm_dsa_dbo.patches import apply_all
+
+    apply_all()

@@ -1,0 +1,40 @@
+"""Patch of `vllm.models.deepseek_v32.attention`."""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+from vllm_dsa_dbo.patches import Patch
+
+PATCH = Patch(
+    target="vllm.models.deepseek_v32.attention",
+    why=(
+        "DeepseekV32Attention keeps its own plain topk_indices_buffer attribute "
+        "and hands it to the leader's writers (fused_norm_rope, "
+        "sparse_attn_indexer), so writers would bypass the impl's per-microbatch "
+        "resolution that the followers read through."
+    ),
+    how=(
+        "A class property topk_indices_buffer that reads and assigns the impl's "
+        "property: writers and readers resolve the same buffer, and the MTP "
+        "proposer's re-pointing reaches the impl."
+    ),
+    upstream=(
+        "vllm PR #60734: the leader's writers take the buffer from "
+        "self.impl.topk_indices_buffer."
+    ),
+    remove_when="the vLLM release that merges PR #60734 (not in 0.33.0)",
+)
+
+
+def _get(self: Any) -> Any:
+    return self.impl.topk_indices_buffer
+
+
+def _set(self: Any, buffer: Any) -> None:
+    self.impl.topk_indices_buffer = buffer
+
+
+def apply(target: ModuleType) -> None:
+    target.DeepseekV32Attention.topk_indices_buffer = property(_get, _set)

@@ -1,0 +1,100 @@
+"""Patch of `vllm.v1.attention.backends.mla.index_group`."""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+from vllm_dsa_dbo import ubatch_topk
+from vllm_dsa_dbo.patches import Patch
+
+PATCH = Patch(
+    target="vllm.v1.attention.backends.mla.index_group",
+    why=(
+        "SparseMLAIndexGroup holds one physical top-k, one valid-count buffer and "
+        "two ready events per group; under DBO microbatch 1's leader overwrites "
+        "them before microbatch 0's followers read them."
+    ),
+    how=(
+        "SparseMLAIndexGroupBuilder takes num_ubatches (default: the current "
+        "config's) and allocates a UbatchTopkState per extra microbatch when a "
+        "group gets its first follower, plus one logical buffer per extra "
+        "microbatch per builder; the group's four state fields resolve through "
+        "_topk_state(), so vLLM's _convert_once and set_logical_topk_ready run "
+        "unchanged. HiSparse followers under DBO are refused at construction."
+    ),
+    upstream=(
+        "vllm PR #60734: SparseMLAIndexGroupBuilder(num_ubatches=...), "
+        "UbatchTopkState, SparseMLAIndexGroup._topk_state()."
+    ),
+    remove_when="the vLLM release that merges PR #60734 (not in 0.33.0)",
+)
+
+
+def _default_num_ubatches() -> int:
+    from vllm.config import get_current_vllm_config_or_none
+    from vllm.v1.worker.ubatch_utils import get_num_ubatches
+
+    config = get_current_vllm_config_or_none()
+    return 1 if config is None else get_num_ubatches(config.parallel_config)
+
+
+def apply(target: ModuleType) -> None:
+    group_cls = target.SparseMLAIndexGroup
+    builder_cls = target.SparseMLAIndexGroupBuilder
+    hisparse_cls = target.HiSparseMLAIndexGroup
+    stock_init = builder_cls.__init__
+    stock_register_layer = builder_cls.register_layer
+
+    group_cls.ubatch_topk_states = ()
+    group_cls.ubatch_logical_topk_indices = ()
+    group_cls._topk_state = ubatch_topk.topk_state
+    for name in ubatch_topk.UBATCH_TOPK_FIELDS:
+        setattr(group_cls, name, ubatch_topk.UbatchTopkField(name))
+
+    def __init__(
+        self: Any,
+        logical_topk_indices: Any,
+        max_decode_rows: int | None = None,
+        *,
+        num_ubatches: int | None = None,
+    ) -> None:
+        stock_init(self, logical_topk_indices, max_decode_rows)
+        self.num_ubatches = (
+            _default_num_ubatches() if num_ubatches is None else num_ubatches
+        )
+        if self.num_ubatches < 1:
+            raise ValueError(f"num_ubatches must be >= 1, got {self.num_ubatches}")
+        self.ubatch_logical_topk_indices = []
+        self.follower_groups = []
+
+    def register_layer(
+        self: Any, is_index_producing_layer: bool, vllm_config: Any = None, **kwargs: Any
+    ) -> tuple[Any, int]:
+        joins_as_follower = (
+            not is_index_producing_layer and self.current_group is not None
+        )
+        if (
+            joins_as_follower
+            and self.num_ubatches > 1
+            and isinstance(self.current_group, hisparse_cls)
+        ):
+            raise ValueError(
+                "HiSparse cannot run with dual batch overlap on a model with shared "
+                "top-k layers (index_topk_freq > 1 or an index_topk_pattern): its "
+                "top-k staging has no microbatch dimension and followers would read "
+                "the other microbatch's selection. Drop --enable-dbo (and "
+                "--ubatch-size), or turn HiSparse off (attention_config."
+                "hisparse_config)."
+            )
+        group, layer_index = stock_register_layer(
+            self, is_index_producing_layer, vllm_config, **kwargs
+        )
+        if layer_index == 0:
+            group.ubatch_logical_topk_indices = self.ubatch_logical_topk_indices
+        elif layer_index == 1 and self.num_ubatches > 1:
+            ubatch_topk.add_follower_state(self, group)
+        return group, layer_index
+
+    builder_cls.__init__ = __init__
+    builder_cls.register_layer = register_layer

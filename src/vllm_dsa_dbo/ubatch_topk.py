@@ -1,0 +1,153 @@
+"""Per-DBO-microbatch copies of the DSA shared top-k hand-off.
+
+A leader layer writes the logical top-k and its group converts it to physical
+top-k once; follower layers read both later. Under dual batch overlap the two
+microbatches interleave between a leader and its followers, so every
+microbatch after the first needs its own copy of that state. This module holds
+the new types and lookups only; it patches nothing and is written to drop into
+`vllm/v1/attention/backends/mla/index_group.py` as is.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from vllm.v1.worker import ubatching
+
+# DBO registers each microbatch thread here (and only mutates the dict).
+_UBATCH_ID_OF_THREAD: dict[int, int] = ubatching._THREAD_ID_TO_CONTEXT
+
+
+def current_ubatch_id() -> int:
+    """DBO microbatch of the calling thread; 0 for any other thread.
+
+    `dbo_current_ubatch_id()` raises KeyError for a thread that is not a
+    microbatch thread while microbatches run; a state lookup must not.
+    """
+    return _UBATCH_ID_OF_THREAD.get(threading.get_ident(), 0)
+
+
+@dataclass
+class UbatchTopkState:
+    """One extra microbatch's copy of a follower-bearing group's top-k state."""
+
+    physical_topk_indices: torch.Tensor
+    valid_topk_counts: torch.Tensor
+    logical_topk_ready: torch.Event
+    physical_topk_ready: torch.Event
+
+
+UBATCH_TOPK_FIELDS = tuple(f.name for f in fields(UbatchTopkState))
+
+
+class UbatchTopkField:
+    """Group attribute that resolves to the calling microbatch's copy.
+
+    Microbatch 0 keeps the value the group was built with, so runs without DBO
+    and groups without followers see exactly the stock attribute.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, group: Any, owner: type | None = None) -> Any:
+        if group is None:
+            return self
+        state = group._topk_state()
+        if state is group:
+            return group.__dict__[self.name]
+        return getattr(state, self.name)
+
+    def __set__(self, group: Any, value: Any) -> None:
+        state = group._topk_state()
+        if state is group:
+            group.__dict__[self.name] = value
+        else:
+            setattr(state, self.name, value)
+
+
+def topk_state(group: Any) -> Any:
+    """The group itself for microbatch 0, else that microbatch's extra copy.
+
+    Groups without followers have no extra copies: they write and read their
+    top-k within one layer, with no yield in between.
+    """
+    ubatch_id = current_ubatch_id()
+    if ubatch_id == 0 or not group.ubatch_topk_states:
+        return group
+    return group.ubatch_topk_states[ubatch_id - 1]
+
+
+def resolve_logical_topk(
+    group: Any, buffer: torch.Tensor | None
+) -> torch.Tensor | None:
+    """The calling microbatch's logical top-k buffer in place of `buffer`.
+
+    Only the builder's own logical buffer has microbatch copies; a buffer
+    re-pointed elsewhere (the MTP draft's) resolves to itself.
+    """
+    ubatch_id = current_ubatch_id()
+    if ubatch_id == 0 or group is None:
+        return buffer
+    extra = group.ubatch_logical_topk_indices
+    if not extra or buffer is not group.logical_topk_indices:
+        return buffer
+    return extra[ubatch_id - 1]
+
+
+def new_ubatch_topk_state(group: Any) -> UbatchTopkState:
+    """Buffers shaped like microbatch 0's; events like the group's own."""
+    return UbatchTopkState(
+        physical_topk_indices=torch.empty_like(group.physical_topk_indices),
+        valid_topk_counts=torch.empty_like(group.valid_topk_counts),
+        logical_topk_ready=torch.Event(),
+        physical_topk_ready=torch.Event(),
+    )
+
+
+def add_follower_state(builder: Any, group: Any) -> None:
+    """Allocate the extra microbatches' state when `group` gets a follower.
+
+    Once per builder this also allocates the extra logical buffers, into the
+    list every group of the builder already holds by reference.
+    """
+    num_extra = builder.num_ubatches - 1
+    group.ubatch_topk_states = [new_ubatch_topk_state(group) for _ in range(num_extra)]
+    builder.follower_groups.append(group)
+    if not builder.ubatch_logical_topk_indices:
+        builder.ubatch_logical_topk_indices.extend(
+            torch.empty_like(builder.logical_topk_indices) for _ in range(num_extra)
+        )
+
+
+def ubatch_topk_bytes(builder: Any) -> int:
+    """Bytes a builder allocated for its extra microbatches."""
+    tensors = list(builder.ubatch_logical_topk_indices)
+    for group in builder.follower_groups:
+        for state in group.ubatch_topk_states:
+            tensors += [state.physical_topk_indices, state.valid_topk_counts]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def ubatch_topk_bytes_per_extra_ubatch(
+    *,
+    max_num_batched_tokens: int,
+    max_decode_rows: int,
+    index_topk: int,
+    groups_with_followers: int,
+) -> int:
+    """Extra bytes per GPU per extra microbatch, as `add_follower_state` allocates.
+
+    One logical buffer `[max_num_batched_tokens, index_topk]` when any group
+    has followers, plus per such group `max_decode_rows + 1` physical rows of
+    `index_topk` and as many valid counts, all int32.
+    """
+    if groups_with_followers == 0:
+        return 0
+    rows = max_decode_rows + 1
+    index_bytes = (max_num_batched_tokens + groups_with_followers * rows) * index_topk
+    return 4 * (index_bytes + groups_with_followers * rows)
