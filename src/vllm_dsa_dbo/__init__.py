@@ -6,15 +6,17 @@ before it builds a model.
 
 from __future__ import annotations
 
-import logging
 import os
 
 from packaging.version import InvalidVersion, Version
 
+from vllm.logger import init_logger
+
 SUPPORTED_VLLM = "0.33.0"
 DISABLE_ENV = "VLLM_DSA_DBO_DISABLE"
 
-logger = logging.getLogger("vllm_dsa_dbo")
+# Under "vllm." so that lines carry vLLM's log format and level.
+logger = init_logger("vllm.dsa_dbo")
 
 
 def disabled_by_env() -> bool:

@@ -1,0 +1,126 @@
+"""Loading: vLLM finds the entry point, the guard refuses other versions,
+registration is idempotent, HiSparse followers under DBO are refused."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from vllm_dsa_dbo import is_supported_vllm
+from vllm_dsa_dbo.patches import PATCH_MODULES, patch_modules
+
+
+def run_python(*parts: str, **env: str) -> subprocess.CompletedProcess:
+    code = "".join(textwrap.dedent(part) for part in parts)
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        env={**environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+LOAD = """
+    from vllm.plugins import load_general_plugins
+    load_general_plugins()
+"""
+PATCHED = """
+    from vllm.v1.attention.backends.mla import index_group
+    print("PATCHED", hasattr(index_group.SparseMLAIndexGroup, "_topk_state"))
+"""
+
+
+def test_vllm_loads_the_entry_point():
+    result = run_python(LOAD, PATCHED)
+    assert "PATCHED True" in result.stdout, result.stderr[-2000:]
+
+
+def test_vllm_plugins_filter_and_env_switch_turn_it_off():
+    assert "PATCHED False" in run_python(LOAD, PATCHED, VLLM_PLUGINS="other").stdout
+    assert "PATCHED False" in run_python(LOAD, PATCHED, VLLM_DSA_DBO_DISABLE="1").stdout
+
+
+def test_other_vllm_version_is_refused_and_nothing_patched():
+    result = run_python(
+        """
+        import vllm
+        vllm.__version__ = "0.34.0"
+        import vllm_dsa_dbo
+        vllm_dsa_dbo.register()
+        """,
+        PATCHED,
+    )
+    assert "PATCHED False" in result.stdout
+    assert "supports vLLM 0.33.0 only, found 0.34.0" in result.stderr + result.stdout
+
+
+@pytest.mark.parametrize(
+    "version, ok",
+    [
+        ("0.33.0", True),
+        ("0.33.0+cu130", True),
+        ("0.33.1", False),
+        ("0.34.0", False),
+        ("0.33.0rc1", False),
+        ("0.33.0.dev12", False),
+        ("0.33.0.post1", False),
+        ("not a version", False),
+    ],
+)
+def test_version_guard(version, ok):
+    assert is_supported_vllm(version) is ok
+
+
+def test_register_twice_patches_once(vllm_env):
+    import vllm_dsa_dbo
+    from vllm.model_executor.layers.attention.sparse_mla_attention import (
+        SharedTopkIndicesBuffer,
+    )
+    from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroupBuilder
+
+    prop = SharedTopkIndicesBuffer.topk_indices_buffer
+    init = SparseMLAIndexGroupBuilder.__init__
+    vllm_dsa_dbo.register()
+    assert SharedTopkIndicesBuffer.topk_indices_buffer is prop
+    assert SparseMLAIndexGroupBuilder.__init__ is init
+
+
+def test_every_patch_declares_its_header():
+    modules = patch_modules()
+    assert [m.__name__.rsplit(".", 1)[1] for m in modules] == list(PATCH_MODULES)
+    targets = [m.PATCH.target for m in modules]
+    assert len(set(targets)) == len(targets)
+    for module in modules:
+        for field in ("why", "how", "upstream", "remove_when"):
+            assert getattr(module.PATCH, field).strip(), (module.__name__, field)
+
+
+def test_hisparse_follower_under_dbo_is_refused(fake_gpu):
+    from vllm.v1.attention.backends.mla.index_group import (
+        HiSparseMLAIndexGroup,
+        SparseMLAIndexGroupBuilder,
+    )
+
+    buffer = torch.empty(16, 128, dtype=torch.int32)
+    builder = SparseMLAIndexGroupBuilder(buffer, 4, num_ubatches=2)
+    # A HiSparse leader group as register_layer builds it with a HiSparse config.
+    builder.current_group = HiSparseMLAIndexGroup(
+        logical_topk_indices=buffer,
+        physical_topk_indices=torch.empty(5, 128, dtype=torch.int32),
+        valid_topk_counts=torch.empty(5, dtype=torch.int32),
+        side_stream=torch.Stream(),
+        logical_topk_ready=torch.Event(),
+        physical_topk_ready=torch.Event(),
+        has_indexer=True,
+        num_layers=1,
+    )
+    with pytest.raises(ValueError, match="HiSparse cannot run with dual batch overlap"):
+        builder.register_layer(False)
+    assert builder.current_group.num_layers == 1
