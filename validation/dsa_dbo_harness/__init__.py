@@ -1,0 +1,121 @@
+"""Harness-only vLLM plugin: real DBO on 2 CUDA GPUs without DeepEP.
+
+vLLM 0.33.0 microbatches only with data parallelism and an all2all backend
+that yields. DeepEP and NIXL are not installable here; the naive
+all-gather/reduce-scatter prepare/finalize yields to the peer microbatch
+around its collectives, and vLLM already runs it under DBO on ROCm. Two CUDA
+gates keep it off; with `VLLM_DSA_DBO_HARNESS=1` this plugin lifts them in
+every vLLM process, and counts microbatched steps in each worker. It is never
+installed with the product.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import textwrap
+from collections import Counter
+from contextlib import contextmanager
+
+ENABLE_ENV = "VLLM_DSA_DBO_HARNESS"
+
+# Per process: microbatched forwards by kind, read back through collective_rpc.
+COUNTS: Counter[str] = Counter()
+
+
+def register() -> None:
+    if os.environ.get(ENABLE_ENV) != "1":
+        return
+    import vllm.config.vllm as config_module
+
+    if getattr(config_module, "_dsa_dbo_harness", False):
+        return
+    _allow_naive_all2all_under_dbo(config_module)
+    _naive_prepare_finalize_yields()
+    _count_microbatched_steps()
+    config_module._dsa_dbo_harness = True
+
+
+def _allow_naive_all2all_under_dbo(config_module) -> None:
+    """Add `allgather_reducescatter` to the CUDA DBO backend allow-list.
+
+    The list is a local of `VllmConfig.__post_init__`; the one assertion that
+    reads it is rewritten, nothing else in that method changes.
+    """
+    cls = config_module.VllmConfig
+    source = textwrap.dedent(inspect.getsource(cls.__post_init__))
+    old = "assert a2a_backend in supported_backends,"
+    if source.count(old) != 1:
+        raise RuntimeError("vLLM's DBO all2all allow-list moved; update the harness")
+    source = source.replace(
+        old, 'assert a2a_backend in [*supported_backends, "allgather_reducescatter"],'
+    )
+    namespace: dict = {}
+    exec(compile(source, config_module.__file__, "exec"), config_module.__dict__, namespace)
+    cls.__post_init__ = namespace["__post_init__"]
+
+
+def _naive_prepare_finalize_yields() -> None:
+    """Let the naive prepare/finalize run under DBO on CUDA, with yields at
+    CUDA-graph capture too.
+
+    Eager: vLLM's own `_comm_region` (yield, collective on the comm stream).
+    Capture: vLLM keeps the collective on the capture stream and does not
+    yield, so a replayed graph would hold no interleaving. Here it yields to
+    the peer microbatch first, as DeepEP low-latency's receive hook does, so
+    the captured kernel order is the eager DBO order.
+    """
+    import torch
+
+    from vllm.model_executor.layers.fused_moe.prepare_finalize import naive_dp_ep
+    from vllm.v1.worker.ubatching import dbo_enabled, dbo_yield
+
+    cls = naive_dp_ep.MoEPrepareAndFinalizeNaiveDPEPModular
+    stock_region = cls._comm_region
+
+    @contextmanager
+    def _comm_region(self):
+        if dbo_enabled() and torch.cuda.is_current_stream_capturing():
+            dbo_yield()
+            yield
+            return
+        with stock_region(self):
+            yield
+
+    cls.supports_dbo = lambda self: True
+    cls._comm_region = _comm_region
+
+
+def _count_microbatched_steps() -> None:
+    from vllm.v1.worker import ubatching
+
+    stock_enter = ubatching.UBatchContext.__enter__
+
+    def __enter__(self):
+        COUNTS[f"ubatch{self.id}_forwards"] += 1
+        return stock_enter(self)
+
+    ubatching.UBatchContext.__enter__ = __enter__
+
+    from vllm.v1.worker import gpu_ubatch_wrapper
+
+    wrapper = gpu_ubatch_wrapper.UBatchWrapper
+    for name, key in (("_run_ubatches", "eager_steps"), ("_capture_ubatches", "graph_captures")):
+        stock = getattr(wrapper, name)
+
+        def counted(self, *args, _stock=stock, _key=key, **kwargs):
+            COUNTS[_key] += 1
+            return _stock(self, *args, **kwargs)
+
+        setattr(wrapper, name, counted)
+
+    stock_call = wrapper.__call__
+
+    def __call__(self, *args, **kwargs):
+        from vllm.forward_context import get_forward_context
+
+        if get_forward_context().ubatch_slices is not None:
+            COUNTS["ubatched_calls"] += 1
+        return stock_call(self, *args, **kwargs)
+
+    wrapper.__call__ = __call__

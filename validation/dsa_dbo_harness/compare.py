@@ -1,0 +1,65 @@
+"""Compare greedy runs prompt by prompt (the upstream long-prompt columns).
+
+    python -m dsa_dbo_harness.compare REF.json RUN.json [RUN.json ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+
+def samples(run: dict) -> list[dict]:
+    return [s for rank in run["ranks"] for s in rank["samples"]]
+
+
+def compare(reference: dict, run: dict) -> dict:
+    """Identical outputs, mean first differing token, differ at token 0,
+    median |delta logprob| of token 0."""
+    ref, other = samples(reference), samples(run)
+    if [s["prompt_len"] for s in ref] != [s["prompt_len"] for s in other]:
+        raise ValueError("runs used different prompts")
+    first_diffs, lp0 = [], []
+    for a, b in zip(ref, other):
+        diff = next(
+            (i for i, (x, y) in enumerate(zip(a["tokens"], b["tokens"])) if x != y),
+            len(a["tokens"]),
+        )
+        first_diffs.append(diff)
+        lp0.append(abs(a["logprobs"][0] - b["logprobs"][0]))
+    length = len(ref[0]["tokens"])
+    return {
+        "prompts": len(ref),
+        "identical": sum(d == length for d in first_diffs),
+        "mean_first_diff": statistics.mean(first_diffs),
+        "differ_at_token0": sum(d == 0 for d in first_diffs),
+        "median_abs_dlogprob_token0": statistics.median(lp0),
+    }
+
+
+def microbatched(run: dict) -> list[int]:
+    """Microbatched forwards per worker during generation."""
+    return [
+        w["counts_during_generate"].get("ubatch0_forwards", 0)
+        for rank in run["ranks"]
+        for w in rank["workers"]
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("reference", type=Path)
+    parser.add_argument("runs", type=Path, nargs="+")
+    args = parser.parse_args(argv)
+    reference = json.loads(args.reference.read_text())
+    for path in args.runs:
+        row = compare(reference, json.loads(path.read_text()))
+        print(f"{args.reference.name} vs {path.name}: {json.dumps(row)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

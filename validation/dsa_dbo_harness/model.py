@@ -1,0 +1,89 @@
+"""A checkpoint-free GLM-5-shaped model: 8 layers, DSA with shared top-k.
+
+With `index_topk_freq=4, index_skip_topk_offset=3` layers 0, 1, 2 and 6 lead
+and 3, 4, 5 and 7 follow; layers 1-7 are MoE, so DBO yields between every
+leader and its followers.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CONFIG = {
+    "architectures": ["GlmMoeDsaForCausalLM"],
+    "model_type": "glm_moe_dsa",
+    "dtype": "bfloat16",
+    "torch_dtype": "bfloat16",
+    "vocab_size": 2048,
+    "hidden_size": 1024,
+    "intermediate_size": 2048,
+    "moe_intermediate_size": 256,
+    "num_hidden_layers": 8,
+    "mlp_layer_types": ["dense"] + ["sparse"] * 7,
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "q_lora_rank": 256,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 192,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 256,
+    "index_topk": 512,
+    "index_n_heads": 32,
+    "index_head_dim": 128,
+    "index_topk_freq": 4,
+    "index_skip_topk_offset": 3,
+    "indexer_rope_interleave": True,
+    "n_routed_experts": 16,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "n_group": 1,
+    "topk_group": 1,
+    "topk_method": "noaux_tc",
+    "scoring_func": "sigmoid",
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-05,
+    "max_position_embeddings": 8192,
+    "rope_theta": 1000000.0,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+    "num_nextn_predict_layers": 0,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+}
+
+
+def write_model(directory: Path, index_topk_freq: int) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    config = {**CONFIG, "index_topk_freq": index_topk_freq}
+    (directory / "config.json").write_text(json.dumps(config, indent=1))
+    return directory
+
+
+def reinit_weights(worker) -> int:
+    """Seeded N(0, 0.02) matrices, unit norms, zero other vectors.
+
+    `--load-format dummy` fills everything with +-1e-3, which collapses every
+    prompt to one repeated token; with these weights attention and the top-k
+    selection decide the output. Same seed on every rank and run.
+    """
+    import torch
+
+    model = worker.model_runner.model
+    generator = torch.Generator(device="cuda").manual_seed(1234)
+    count = 0
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if not param.dtype.is_floating_point or param.dtype.itemsize < 2:
+                continue
+            if param.dim() == 1:
+                param.fill_(1.0 if "norm" in name else 0.0)
+            else:
+                param.normal_(0.0, 0.02, generator=generator)
+            count += 1
+    return count

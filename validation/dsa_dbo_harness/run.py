@@ -1,0 +1,183 @@
+"""One engine configuration on 2 GPUs (DP=2, expert parallel), greedy outputs to JSON.
+
+    python -m dsa_dbo_harness.run --model DIR --mode eager --dbo --out run.json
+
+The fix is on when vllm-dsa-dbo is installed, off with VLLM_DSA_DBO_DISABLE=1
+(recorded in the JSON either way, from inside the workers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import queue
+import random
+import socket
+import sys
+import time
+from pathlib import Path
+
+MODES = {
+    # mode: (extra LLM kwargs, extra env)
+    "eager": ({"enforce_eager": True}, {}),
+    "v2": ({"enforce_eager": True}, {"VLLM_USE_V2_MODEL_RUNNER": "1"}),
+    "graph": (
+        {
+            "compilation_config": {
+                "cudagraph_mode": "FULL_DECODE_ONLY",
+                "cudagraph_capture_sizes": [4, 8, 16, 32],
+            }
+        },
+        {},
+    ),
+}
+MAX_NUM_SEQS = 64  # max_decode_rows = 64: every prompt prefills past it
+
+
+def engine_kwargs(args) -> dict:
+    kwargs = dict(
+        model=str(args.model),
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        block_size=64,
+        max_model_len=4096,
+        attention_backend="FLASHMLA_SPARSE",
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_num_seqs=MAX_NUM_SEQS,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=False,
+        enable_expert_parallel=True,
+        all2all_backend="allgather_reducescatter",
+        seed=0,
+        **MODES[args.mode][0],
+    )
+    if args.dbo:
+        kwargs.update(
+            enable_dbo=True,
+            dbo_decode_token_threshold=args.dbo_decode_token_threshold,
+            dbo_prefill_token_threshold=args.dbo_prefill_token_threshold,
+        )
+    return kwargs
+
+
+def prompts_for_rank(rank: int, count: int) -> list[list[int]]:
+    """Longer than index_topk (512) and all of different lengths."""
+    rnd = random.Random(100 + rank)
+    return [[rnd.randrange(2, 2000) for _ in range(600 + 53 * i)] for i in range(count)]
+
+
+def rank_main(rank: int, args, port: int, results: mp.Queue) -> None:
+    os.environ.update(
+        VLLM_DP_RANK=str(rank),
+        VLLM_DP_RANK_LOCAL=str(rank),
+        VLLM_DP_SIZE="2",
+        VLLM_DP_MASTER_IP="127.0.0.1",
+        VLLM_DP_MASTER_PORT=str(port),
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        **MODES[args.mode][1],
+    )
+    from vllm import LLM, SamplingParams
+
+    from dsa_dbo_harness.model import reinit_weights
+    from dsa_dbo_harness.worker_probe import snapshot
+
+    llm = LLM(**engine_kwargs(args))
+    reinitialised = llm.collective_rpc(reinit_weights)
+    before = llm.collective_rpc(snapshot)
+    prompts = [{"prompt_token_ids": p} for p in prompts_for_rank(rank, args.prompts)]
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=0, logprobs=1, detokenize=False,
+        ignore_eos=True,
+    )
+    start = time.time()
+    outputs = llm.generate(prompts, params)
+    elapsed = time.time() - start
+    after = llm.collective_rpc(snapshot)
+    for worker_before, worker_after in zip(before, after):
+        worker_after["counts_during_generate"] = {
+            k: v - worker_before["counts"].get(k, 0)
+            for k, v in worker_after["counts"].items()
+        }
+    samples = []
+    for output in outputs:
+        completion = output.outputs[0]
+        samples.append(
+            {
+                "prompt_len": len(output.prompt_token_ids),
+                "tokens": list(completion.token_ids),
+                "logprobs": [lp[t].logprob for lp, t in zip(completion.logprobs, completion.token_ids)],
+            }
+        )
+    results.put(
+        {"rank": rank, "reinitialised_params": reinitialised, "workers": after,
+         "generate_seconds": elapsed, "samples": samples}
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--mode", choices=sorted(MODES), default="eager")
+    parser.add_argument("--dbo", action="store_true")
+    parser.add_argument("--dbo-decode-token-threshold", type=int, default=4)
+    parser.add_argument("--dbo-prefill-token-threshold", type=int, default=64)
+    parser.add_argument("--prompts", type=int, default=16, help="per DP rank")
+    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.35)
+    parser.add_argument("--timeout", type=float, default=400)
+    args = parser.parse_args(argv)
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    ranks = [ctx.Process(target=rank_main, args=(r, args, port, results)) for r in range(2)]
+    for p in ranks:
+        p.start()
+    got, deadline = [], time.time() + args.timeout
+    while len(got) < 2 and time.time() < deadline:
+        try:
+            got.append(results.get(timeout=5))
+        except queue.Empty:
+            if any(p.exitcode not in (None, 0) for p in ranks):
+                break
+    for p in ranks:
+        p.join(10)
+        if p.is_alive():
+            p.kill()
+    if len(got) < 2:
+        print(f"FAILED: {len(got)} of 2 ranks returned", file=sys.stderr)
+        return 1
+    import torch
+    import vllm
+
+    record = {
+        "argv": sys.argv,
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "engine_kwargs": {k: v for k, v in engine_kwargs(args).items() if k != "model"},
+        "mode_env": MODES[args.mode][1],
+        "fix_disabled_env": os.environ.get("VLLM_DSA_DBO_DISABLE", ""),
+        "vllm": vllm.__version__,
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(0),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "ranks": sorted(got, key=lambda g: g["rank"]),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record))
+    summary = [(w["plugin_patched"], w["counts_during_generate"], w["ubatch_topk_bytes"]) for g in record["ranks"] for w in g["workers"]]
+    print("WROTE", args.out, summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

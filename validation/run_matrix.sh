@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Run named harness configurations on 2 GPUs, two at a time.
+#   validation/run_matrix.sh OUTDIR NAME ... (names from the table below)
+# Each NAME writes OUTDIR/NAME.json and OUTDIR/NAME.log.
+set -uo pipefail
+. /tmp/gpu/env.sh
+out="$1"; shift
+mkdir -p "$out"
+export VLLM_DSA_DBO_HARNESS=1 VLLM_DBO_COMM_SMS=0 VLLM_USE_FLASHINFER_SAMPLER=0
+models="${MODELS:-/tmp/dsa-dbo-models}"
+python - "$models" <<'PY'
+import sys
+from pathlib import Path
+from dsa_dbo_harness.model import write_model
+for freq in (1, 4):
+    write_model(Path(sys.argv[1]) / f"freq{freq}", freq)
+PY
+
+spec() {  # NAME -> "freq fix mode dbo-args"
+  case "$1" in
+    off_a|off_b)        echo "4 on eager" ;;
+    off_stock)          echo "4 off eager" ;;
+    on_stock)           echo "4 off eager --dbo" ;;
+    on_fix)             echo "4 on eager --dbo" ;;
+    v2_off)             echo "4 on v2" ;;
+    v2_on_stock)        echo "4 off v2 --dbo" ;;
+    v2_on_fix)          echo "4 on v2 --dbo" ;;
+    graph_off)          echo "4 on graph" ;;
+    graph_on_stock)     echo "4 off graph --dbo" ;;
+    graph_on_fix)       echo "4 on graph --dbo" ;;
+    prefill_on_stock)   echo "4 off eager --dbo --dbo-decode-token-threshold 100000" ;;
+    prefill_on_fix)     echo "4 on eager --dbo --dbo-decode-token-threshold 100000" ;;
+    freq1_off)          echo "1 on eager" ;;
+    freq1_on_stock)     echo "1 off eager --dbo" ;;
+    freq1_on_fix)       echo "1 on eager --dbo" ;;
+    *) echo "unknown run $1" >&2; return 1 ;;
+  esac
+}
+
+one() {
+  local name="$1" freq fix mode rest
+  read -r freq fix mode rest <<< "$(spec "$name")" || return 1
+  local disable=""; [ "$fix" = off ] && disable=1
+  local t0=$SECONDS
+  VLLM_DSA_DBO_DISABLE="$disable" timeout 420 python -m dsa_dbo_harness.run \
+    --model "$models/freq$freq" --mode "$mode" $rest --out "$out/$name.json" > "$out/$name.log" 2>&1
+  echo "$name rc=$? $((SECONDS - t0))s $(grep -h '^WROTE' "$out/$name.log" | cut -c1-300)"
+  grep -hE "Error|error:|Traceback" "$out/$name.log" | grep -v "^W1130" | tail -3
+}
+
+while [ $# -gt 0 ]; do
+  one "$1" & 
+  if [ $# -gt 1 ]; then one "$2" & fi
+  wait
+  shift; [ $# -gt 0 ] && shift
+done
