@@ -4,7 +4,7 @@
 set -euo pipefail
 . /tmp/gpu/env.sh
 cd "$(dirname "$0")/.."
-pip install -q --no-deps --no-build-isolation -e . -e validation 2>&1 | grep -v "^\s*$" | tail -3 || true
+python -m pip install -q --no-deps --no-build-isolation -e . -e validation 2>&1 | grep -v "running pip as\|^WARNING: Running pip" || true
 python - <<'PY'
 from importlib.metadata import entry_points
 names = sorted(e.name for e in entry_points(group="vllm.general_plugins"))

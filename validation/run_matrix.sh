@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run named harness configurations on 2 GPUs, two at a time.
+# Run named harness configurations on 2 GPUs, LANES (default 2) at a time.
 #   validation/run_matrix.sh OUTDIR NAME ... (names from the table below)
 # Each NAME writes OUTDIR/NAME.json and OUTDIR/NAME.log.
 set -uo pipefail
@@ -43,14 +43,18 @@ one() {
   local disable=""; [ "$fix" = off ] && disable=1
   local t0=$SECONDS
   VLLM_DSA_DBO_DISABLE="$disable" timeout 420 python -m dsa_dbo_harness.run \
-    --model "$models/freq$freq" --mode "$mode" $rest --out "$out/$name.json" > "$out/$name.log" 2>&1
+    --model "$models/freq$freq" --mode "$mode" $rest \
+    --gpu-memory-utilization "${GPU_UTIL:-0.35}" --out "$out/$name.json" > "$out/$name.log" 2>&1
   echo "$name rc=$? $((SECONDS - t0))s $(grep -h '^WROTE' "$out/$name.log" | cut -c1-300)"
   grep -hE "Error|error:|Traceback" "$out/$name.log" | grep -v "^W1130" | tail -3
 }
 
+lanes="${LANES:-2}"
 while [ $# -gt 0 ]; do
-  one "$1" & 
-  if [ $# -gt 1 ]; then one "$2" & fi
+  for _ in $(seq "$lanes"); do
+    [ $# -gt 0 ] || break
+    one "$1" &
+    shift
+  done
   wait
-  shift; [ $# -gt 0 ] && shift
 done
