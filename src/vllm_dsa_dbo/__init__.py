@@ -10,13 +10,11 @@ import os
 
 from packaging.version import InvalidVersion, Version
 
-from vllm.logger import init_logger
-
 SUPPORTED_VLLM = "0.33.0"
 DISABLE_ENV = "VLLM_DSA_DBO_DISABLE"
 
 # Under "vllm." so that lines carry vLLM's log format and level.
-logger = init_logger("vllm.dsa_dbo")
+LOGGER_NAME = "vllm.dsa_dbo"
 
 
 def disabled_by_env() -> bool:
@@ -34,6 +32,9 @@ def is_supported_vllm(version: str) -> bool:
 
 def register() -> None:
     """The `vllm.general_plugins` entry point; safe to call more than once."""
+    from vllm.logger import init_logger
+
+    logger = init_logger(LOGGER_NAME)
     if disabled_by_env():
         logger.info("vllm-dsa-dbo disabled by %s; nothing patched", DISABLE_ENV)
         return

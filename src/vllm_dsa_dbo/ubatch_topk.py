@@ -124,10 +124,21 @@ def add_follower_state(builder: Any, group: Any) -> None:
         )
 
 
-def ubatch_topk_bytes(builder: Any) -> int:
-    """Bytes a builder allocated for its extra microbatches."""
-    tensors = list(builder.ubatch_logical_topk_indices)
-    for group in builder.follower_groups:
+def index_groups(model: torch.nn.Module) -> list[Any]:
+    """The distinct index groups of a model's sparse MLA impls."""
+    groups: dict[int, Any] = {}
+    for module in model.modules():
+        group = getattr(getattr(module, "impl", None), "index_group", None)
+        if group is not None:
+            groups.setdefault(id(group), group)
+    return list(groups.values())
+
+
+def ubatch_topk_bytes(groups: list[Any]) -> int:
+    """Bytes allocated for extra microbatches across `groups`."""
+    logical = {id(g.ubatch_logical_topk_indices): g.ubatch_logical_topk_indices for g in groups}
+    tensors = [t for extra in logical.values() for t in extra]
+    for group in groups:
         for state in group.ubatch_topk_states:
             tensors += [state.physical_topk_indices, state.valid_topk_counts]
     return sum(t.numel() * t.element_size() for t in tensors)

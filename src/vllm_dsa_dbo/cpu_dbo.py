@@ -1,0 +1,160 @@
+"""Run vLLM's DBO microbatch threads on a CPU, for the demo and the tests.
+
+Everything here is vLLM's own code (microbatch contexts and threads, index
+groups, sparse MLA impls, the Triton top-k conversion under Triton's
+interpreter) except CUDA streams and events, which get CPU stand-ins.
+Import this module before vLLM: it sets the environment Triton needs.
+"""
+
+from __future__ import annotations
+
+import os
+
+# The logical -> physical conversion is a Triton kernel: run it interpreted.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+# vLLM swaps Triton for a placeholder on a host with no GPU driver, unless the
+# visible-device list is empty (as under Ray); empty it so the kernel is real.
+os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+
+import socket  # noqa: E402
+import threading  # noqa: E402
+from collections.abc import Callable, Iterator  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
+
+import torch  # noqa: E402
+
+from vllm.utils import torch_utils  # noqa: E402
+from vllm.v1.worker.ubatching import (  # noqa: E402
+    dbo_current_ubatch_id,
+    make_ubatch_contexts,
+)
+
+
+class FakeEvent:
+    """Remembers which microbatch recorded it last."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        self.recorded_by: int | None = None
+
+    def record(self, stream: object = None) -> None:
+        self.recorded_by = dbo_current_ubatch_id()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class FakeStream:
+    """Logs every event wait as (waiting microbatch, event, its recorder)."""
+
+    waits: list[tuple[int, FakeEvent, int | None]] = []
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        self._outer: list[object] = []
+
+    def wait_event(self, event: FakeEvent) -> None:
+        FakeStream.waits.append((dbo_current_ubatch_id(), event, event.recorded_by))
+
+    def wait_stream(self, stream: object) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def __enter__(self) -> FakeStream:
+        self._outer.append(torch_utils.current_stream())
+        set_stream(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        set_stream(self._outer.pop())
+
+
+def set_stream(stream: object) -> None:
+    torch_utils._current_stream_tls.value = stream
+
+
+@contextmanager
+def fake_streams() -> Iterator[None]:
+    """torch's stream and event constructors make the CPU stand-ins."""
+    saved = torch.Event, torch.Stream, torch.cuda.set_stream
+    FakeStream.waits = []
+    torch.Event, torch.Stream, torch.cuda.set_stream = FakeEvent, FakeStream, set_stream
+    set_stream(FakeStream())
+    try:
+        yield
+    finally:
+        torch.Event, torch.Stream, torch.cuda.set_stream = saved
+        set_stream(None)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def cpu_vllm() -> Iterator[object]:
+    """A CPU vLLM config in force and a one-rank gloo world, as a worker has."""
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import (
+        init_distributed_environment,
+        initialize_model_parallel,
+        model_parallel_is_initialized,
+    )
+
+    config = VllmConfig(device_config=DeviceConfig(device="cpu"))
+    with set_current_vllm_config(config):
+        if not model_parallel_is_initialized():
+            init_distributed_environment(
+                world_size=1,
+                rank=0,
+                distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
+                local_rank=0,
+                backend="gloo",
+            )
+            initialize_model_parallel(1, 1)
+        yield config
+
+
+def run_dbo_step(step: Callable[[int], None], num_ubatches: int = 2) -> None:
+    """Run `step(ubatch_id)` in vLLM's microbatch threads, as UBatchWrapper does.
+
+    Each thread enters a real `UBatchContext`; `dbo_yield()` inside `step`
+    hands over to the next microbatch exactly as the MoE's dispatch does.
+    """
+    stream = FakeStream()
+    barrier = threading.Barrier(num_ubatches + 1)
+    contexts = make_ubatch_contexts(
+        num_ubatches,
+        compute_stream=stream,
+        comm_stream=stream,
+        forward_contexts=[None] * num_ubatches,
+        ready_barrier=barrier,
+    )
+    errors: list[BaseException] = []
+
+    def thread_main(context) -> None:
+        set_stream(stream)
+        try:
+            with context:
+                step(context.id)
+        except BaseException as e:  # re-raised in the calling thread
+            errors.append(e)
+
+    threads = [
+        threading.Thread(target=thread_main, args=(c,), daemon=True) for c in contexts
+    ]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    contexts[0].cpu_wait_event.set()
+    for t in threads:
+        t.join(timeout=60)
+        if t.is_alive():
+            raise RuntimeError("a microbatch thread hung")
+    if errors:
+        raise errors[0]
