@@ -24,7 +24,12 @@ class Patch:
 
 
 # Order matters: the index-group state exists before anything resolves it.
-PATCH_MODULES = ("index_group", "sparse_mla_attention", "deepseek_v32_attention")
+PATCH_MODULES = (
+    "index_group",
+    "sparse_mla_attention",
+    "deepseek_v32_attention",
+    "base_loader",
+)
 
 _APPLIED = "_vllm_dsa_dbo_patched"
 

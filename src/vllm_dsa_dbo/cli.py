@@ -1,0 +1,264 @@
+"""`vllm-dsa-dbo`: is the fix active, what does it cost, what does it fix."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from importlib.metadata import PackageNotFoundError, entry_points, version
+from pathlib import Path
+
+from vllm_dsa_dbo import DISABLE_ENV, SUPPORTED_VLLM, disabled_by_env, is_supported_vllm
+from vllm_dsa_dbo.layout import group_sizes, leader_mask
+
+ENTRY_POINT_GROUP = "vllm.general_plugins"
+ENTRY_POINT_NAME = "dsa_dbo"
+
+GLM53 = {
+    "architectures": ["GlmMoeDsaForCausalLM"],
+    "num_hidden_layers": 78,
+    "index_topk": 2048,
+    "index_topk_freq": 4,
+    "index_skip_topk_offset": 3,
+}
+PRESETS = {"glm-5.3": GLM53}
+
+
+class UsageError(Exception):
+    """Bad input: printed as `error: ...`, exit status 2."""
+
+
+def whole_number(minimum: int):
+    """An argparse type: an integer of at least `minimum`."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+# status ---------------------------------------------------------------------
+
+
+def status(args: argparse.Namespace) -> int:
+    problems = []
+    try:
+        vllm_version = version("vllm")
+    except PackageNotFoundError:
+        vllm_version = None
+    if vllm_version is None:
+        problems.append("vLLM is not installed")
+        print(f"vLLM: not installed (supported: {SUPPORTED_VLLM})")
+    else:
+        ok = is_supported_vllm(vllm_version)
+        print(f"vLLM: {vllm_version} ({'supported' if ok else 'NOT supported'}; this plugin supports {SUPPORTED_VLLM})")
+        if not ok:
+            problems.append(f"vLLM {vllm_version} is not {SUPPORTED_VLLM}: the plugin patches nothing")
+
+    found = [e for e in entry_points(group=ENTRY_POINT_GROUP) if e.name == ENTRY_POINT_NAME]
+    if found:
+        print(f"entry point: {ENTRY_POINT_NAME} -> {found[0].value} ({ENTRY_POINT_GROUP})")
+    else:
+        print(f"entry point: {ENTRY_POINT_NAME} NOT found in {ENTRY_POINT_GROUP}")
+        problems.append("the plugin's entry point is not installed in this environment")
+
+    allowed = os.environ.get("VLLM_PLUGINS")
+    if allowed is None:
+        print("VLLM_PLUGINS: not set (vLLM loads every plugin)")
+    elif ENTRY_POINT_NAME in allowed.split(","):
+        print(f"VLLM_PLUGINS: {allowed!r} (includes {ENTRY_POINT_NAME})")
+    else:
+        print(f"VLLM_PLUGINS: {allowed!r} (does NOT include {ENTRY_POINT_NAME})")
+        problems.append(f"VLLM_PLUGINS filters out {ENTRY_POINT_NAME}")
+
+    if disabled_by_env():
+        print(f"{DISABLE_ENV}: set, the plugin patches nothing")
+        problems.append(f"{DISABLE_ENV} is set")
+    else:
+        print(f"{DISABLE_ENV}: not set")
+
+    from vllm_dsa_dbo.patches import patch_modules
+
+    print("patches:")
+    for module in patch_modules():
+        patch = module.PATCH
+        print(f"  {patch.target}\n    how: {patch.how}\n    remove when: {patch.remove_when}")
+
+    if problems:
+        print("fix NOT active: " + "; ".join(problems))
+        return 1
+    print("fix active: vLLM will apply it in every process")
+    return 0
+
+
+# memory ---------------------------------------------------------------------
+
+
+def load_config(args: argparse.Namespace) -> tuple[str, dict]:
+    if args.preset:
+        return f"preset {args.preset}", PRESETS[args.preset]
+    path = Path(args.config)
+    if path.is_dir():
+        path = path / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except OSError as e:
+        raise UsageError(f"cannot read {path}: {e.strerror or e}") from None
+    except json.JSONDecodeError as e:
+        raise UsageError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise UsageError(f"{path} is not a JSON object")
+    config = config.get("text_config", config)
+    if "index_topk" not in config:
+        raise UsageError(
+            f"{path} is not a DeepSeek Sparse Attention config (no index_topk): "
+            "the plugin allocates nothing for this model"
+        )
+    for key in ("num_hidden_layers", "index_topk"):
+        if not isinstance(config.get(key), int) or config[key] < 1:
+            raise UsageError(f"{path}: {key} must be a positive integer, got {config.get(key)!r}")
+    return str(path), config
+
+
+def memory(args: argparse.Namespace) -> int:
+    from vllm_dsa_dbo.ubatch_topk import ubatch_topk_bytes_per_extra_ubatch
+
+    source, config = load_config(args)
+    leaders = leader_mask(config)
+    sizes = group_sizes(leaders)
+    followed = sum(size > 1 for size in sizes)
+    max_decode_rows = min(
+        args.max_num_batched_tokens, args.max_num_seqs * (1 + args.num_speculative_tokens)
+    )
+    extra_ubatches = args.num_ubatches - 1
+    per_ubatch = ubatch_topk_bytes_per_extra_ubatch(
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_decode_rows=max_decode_rows,
+        index_topk=config["index_topk"],
+        groups_with_followers=followed,
+    )
+    report = {
+        "model": source,
+        "architecture": (config.get("architectures") or ["?"])[0],
+        "layers": len(leaders),
+        "leaders": [i for i, lead in enumerate(leaders) if lead],
+        "followers": sum(not lead for lead in leaders),
+        "groups_with_followers": followed,
+        "index_topk": config["index_topk"],
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_decode_rows": max_decode_rows,
+        "num_ubatches": args.num_ubatches,
+        "bytes_per_extra_ubatch": per_ubatch,
+        "bytes_total": per_ubatch * extra_ubatches,
+    }
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return 0
+    print(f"model: {source} ({report['architecture']}, {len(leaders)} layers, index_topk {config['index_topk']})")
+    print(f"leaders ({len(report['leaders'])}): {' '.join(map(str, report['leaders']))}")
+    print(f"followers: {report['followers']}; index groups with followers: G = {followed}")
+    print(
+        f"max_decode_rows = min({args.max_num_batched_tokens}, "
+        f"{args.max_num_seqs} x {1 + args.num_speculative_tokens}) = {max_decode_rows}"
+    )
+    if extra_ubatches == 0 or followed == 0:
+        reason = "no DBO" if extra_ubatches == 0 else "no layer reuses another's top-k"
+        print(f"extra memory: 0 bytes ({reason})")
+        return 0
+    rows = max_decode_rows + 1
+    k = config["index_topk"]
+    print(f"extra bytes per GPU per extra microbatch: {per_ubatch:,} ({per_ubatch / 2**20:.1f} MiB)")
+    print(f"  logical top-k buffer   {args.max_num_batched_tokens} x {k} x 4 = {args.max_num_batched_tokens * k * 4:,}")
+    print(f"  physical top-k rows    {followed} x {rows} x {k} x 4 = {followed * rows * k * 4:,}")
+    print(f"  valid counts           {followed} x {rows} x 4 = {followed * rows * 4:,}")
+    print(
+        f"microbatches: {args.num_ubatches}, so {extra_ubatches} extra: "
+        f"{report['bytes_total']:,} bytes ({report['bytes_total'] / 2**20:.1f} MiB) per GPU, "
+        "taken from KV-cache memory"
+    )
+    return 0
+
+
+# demo -----------------------------------------------------------------------
+
+
+def demo(args: argparse.Namespace) -> int:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    env.pop("VLLM_PLUGINS", None)
+    summaries = {}
+    for phase, disable in (("stock", "1"), ("fixed", "")):
+        result = subprocess.run(
+            [sys.executable, "-m", "vllm_dsa_dbo.demo", "--phase", phase],
+            env={**env, DISABLE_ENV: disable},
+            capture_output=True,
+            text=True,
+        )
+        lines = [l for l in result.stdout.splitlines() if l.strip()]
+        if result.returncode != 0 or not lines:
+            sys.stderr.write(result.stderr[-4000:])
+            print(f"error: the {phase} demo failed (exit {result.returncode})", file=sys.stderr)
+            return 1
+        print("\n".join(lines) + "\n")
+        summaries[phase] = lines[-1]
+    fixed_clean = " 0 of " in summaries["fixed"]
+    print("the fix keeps every follower on its own microbatch's top-k" if fixed_clean
+          else "error: reads still crossed microbatches with the fix")
+    return 0 if fixed_clean else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="vllm-dsa-dbo",
+        description="DSA shared top-k per DBO microbatch for vLLM 0.33.0: check, size, demonstrate.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("status", help="is the fix active in this environment (exit 1 if not)")
+    p.set_defaults(func=status)
+
+    p = sub.add_parser(
+        "memory",
+        help="leader/follower layout and extra bytes per GPU for a model and scheduler settings",
+    )
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--config", help="HF config.json, or a model folder holding one")
+    which.add_argument("--preset", choices=sorted(PRESETS), help="built-in model geometry")
+    p.add_argument("--max-num-batched-tokens", type=whole_number(1), default=8192)
+    p.add_argument("--max-num-seqs", type=whole_number(1), default=1024)
+    p.add_argument("--num-speculative-tokens", type=whole_number(0), default=0)
+    p.add_argument(
+        "--num-ubatches",
+        type=whole_number(1),
+        default=2,
+        help="microbatches per step: 2 with --enable-dbo (default), 1 without",
+    )
+    p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    p.set_defaults(func=memory)
+
+    p = sub.add_parser(
+        "demo",
+        help="run one DBO step through vLLM's real classes on the CPU, stock and fixed",
+    )
+    p.set_defaults(func=demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
