@@ -35,7 +35,10 @@ def register() -> None:
     from vllm.logger import init_logger
 
     logger = init_logger(LOGGER_NAME)
-    if disabled_by_env():
+    from vllm_dsa_dbo.isolation import install, mode_from_env
+
+    check = mode_from_env()
+    if disabled_by_env() and check is None:
         logger.info("vllm-dsa-dbo disabled by %s; nothing patched", DISABLE_ENV)
         return
     import vllm
@@ -51,6 +54,11 @@ def register() -> None:
             SUPPORTED_VLLM,
         )
         return
-    from vllm_dsa_dbo.patches import apply_all
+    if disabled_by_env():
+        logger.info("vllm-dsa-dbo disabled by %s; only its checker runs", DISABLE_ENV)
+    else:
+        from vllm_dsa_dbo.patches import apply_all
 
-    apply_all()
+        apply_all()
+    if check is not None:
+        install(check)

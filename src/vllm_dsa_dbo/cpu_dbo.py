@@ -18,6 +18,7 @@ os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 
 import socket  # noqa: E402
 import threading  # noqa: E402
+import time  # noqa: E402
 from collections.abc import Callable, Iterator  # noqa: E402
 from contextlib import contextmanager  # noqa: E402
 
@@ -126,13 +127,17 @@ def run_dbo_step(step: Callable[[int], None], num_ubatches: int = 2) -> None:
     Each thread enters a real `UBatchContext`; `dbo_yield()` inside `step`
     hands over to the next microbatch exactly as the MoE's dispatch does.
     """
+    from vllm.config import get_current_vllm_config
+    from vllm.forward_context import create_forward_context
+
     stream = FakeStream()
     barrier = threading.Barrier(num_ubatches + 1)
+    config = get_current_vllm_config()
     contexts = make_ubatch_contexts(
         num_ubatches,
         compute_stream=stream,
         comm_stream=stream,
-        forward_contexts=[None] * num_ubatches,
+        forward_contexts=[create_forward_context(None, config) for _ in range(num_ubatches)],
         ready_barrier=barrier,
     )
     errors: list[BaseException] = []
@@ -152,9 +157,12 @@ def run_dbo_step(step: Callable[[int], None], num_ubatches: int = 2) -> None:
         t.start()
     barrier.wait()
     contexts[0].cpu_wait_event.set()
-    for t in threads:
-        t.join(timeout=60)
-        if t.is_alive():
+    # A microbatch that raises leaves its peer waiting at its next yield, as
+    # in vLLM: report the error rather than wait for the peer.
+    deadline = time.monotonic() + 60
+    while (alive := [t for t in threads if t.is_alive()]) and not errors:
+        if time.monotonic() > deadline:
             raise RuntimeError("a microbatch thread hung")
+        alive[0].join(0.01)
     if errors:
         raise errors[0]

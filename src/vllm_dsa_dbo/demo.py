@@ -238,10 +238,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     leaders = leader_mask(GLM5_LAYOUT)
-    if args.phase == "fixed":
-        import vllm_dsa_dbo
+    import vllm_dsa_dbo
+    from vllm_dsa_dbo import isolation
 
-        vllm_dsa_dbo.register()
+    # As vLLM would: applies the fix unless VLLM_DSA_DBO_DISABLE is set, and
+    # the isolation checker when VLLM_DSA_DBO_CHECK is.
+    vllm_dsa_dbo.register()
     with cpu_dbo.cpu_vllm(), cpu_dbo.fake_streams():
         stack = SharedTopkStack(leaders, None if args.phase == "stock" else 2)
         reads = stack.run_step(yield_from_layer=FIRST_MOE_LAYER)
@@ -250,6 +252,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{title}: leaders {[i for i, lead in enumerate(leaders) if lead]}")
     print("\n".join(report(reads, leaders)))
     print(f"{title}: {len(wrong)} of {len(reads)} top-k reads came from the wrong microbatch")
+    if isolation.CHECKER is not None:
+        checker = isolation.CHECKER
+        print(f"{title}: isolation checker: {sum(checker.violations.values())} violations "
+              f"in {checker.checked_reads} checked reads")
+        for (writer, reader, kind), count in sorted(checker.violations.items()):
+            print(f"  {kind}: {reader} read {writer}'s write from the other microbatch ({count}x)")
     return 0
 
 

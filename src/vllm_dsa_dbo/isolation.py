@@ -1,0 +1,171 @@
+"""Opt-in checker: no layer reads top-k state another microbatch or step wrote.
+
+`VLLM_DSA_DBO_CHECK=raise` raises `MicrobatchIsolationError` at the first bad
+read; `VLLM_DSA_DBO_CHECK=audit` logs each (writer, reader, state) once and
+counts every bad read, so it can audit vLLM's stock state with the fix
+disabled. Unset (the default), nothing is installed and nothing costs.
+
+Host-side bookkeeping only, at the three places the hand-off happens:
+- a leader's `record_logical_topk_ready()` writes the logical top-k buffer and
+  its ready event;
+- a group's `_convert_once()` at layer 0 writes the physical top-k rows, the
+  valid counts and their ready event; at a follower it reads them;
+- a follower impl's `topk_indices_buffer` reads the logical buffer.
+Each write stamps the state object (the resolved buffer or event) with the
+microbatch and the step's forward context; each read compares. Python runs in
+eager steps and during CUDA-graph capture, so both are checked; replays reuse
+what capture checked.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_dsa_dbo.ubatch_topk import current_ubatch_id
+
+CHECK_ENV = "VLLM_DSA_DBO_CHECK"
+MODES = ("raise", "audit")
+
+
+class MicrobatchIsolationError(RuntimeError):
+    """A layer read top-k state written by another microbatch or step."""
+
+
+@dataclass(frozen=True)
+class Stamp:
+    ubatch: int
+    step: int | None
+    layer: str
+
+
+class IsolationChecker:
+    def __init__(self, mode: str) -> None:
+        if mode not in MODES:
+            raise ValueError(f"{CHECK_ENV} must be one of {MODES}, got {mode!r}")
+        self.mode = mode
+        self.violations: Counter[tuple[str, str, str]] = Counter()
+        self.checked_reads = 0
+        self._last_write: dict[int, tuple[Any, Stamp]] = {}
+        self._group_names: dict[int, str] = {}
+        self._steps = itertools.count()
+        self._lock = threading.Lock()
+
+    def layer(self, group: Any, layer_index: int) -> str:
+        name = self._group_names.setdefault(id(group), f"group {len(self._group_names)}")
+        return f"{name} {'leader' if layer_index == 0 else f'follower {layer_index}'}"
+
+    def _stamp(self, layer: str) -> Stamp:
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+
+        step = None
+        if is_forward_context_available():
+            context = get_forward_context()
+            step = getattr(context, "_dsa_dbo_step", None)
+            if step is None:
+                step = context._dsa_dbo_step = next(self._steps)
+        return Stamp(current_ubatch_id(), step, layer)
+
+    def write(self, layer: str, *objects: Any) -> None:
+        stamp = self._stamp(layer)
+        with self._lock:
+            for obj in objects:
+                # Keep the object alive so its id cannot be reused.
+                self._last_write[id(obj)] = (obj, stamp)
+
+    def read(self, layer: str, kind: str, obj: Any) -> None:
+        reader = self._stamp(layer)
+        with self._lock:
+            self.checked_reads += 1
+            entry = self._last_write.get(id(obj))
+        if entry is None:
+            return
+        writer = entry[1]
+        if (writer.ubatch, writer.step) == (reader.ubatch, reader.step):
+            return
+        key = (writer.layer, reader.layer, kind)
+        self.violations[key] += 1
+        message = (
+            f"{kind}: {reader.layer} in microbatch {reader.ubatch} (step {reader.step}) "
+            f"read what {writer.layer} wrote in microbatch {writer.ubatch} "
+            f"(step {writer.step})"
+        )
+        if self.mode == "raise":
+            raise MicrobatchIsolationError(message)
+        if self.violations[key] == 1:
+            from vllm.logger import init_logger
+
+            from vllm_dsa_dbo import LOGGER_NAME
+
+            init_logger(LOGGER_NAME).warning("microbatch isolation violated: %s", message)
+
+
+CHECKER: IsolationChecker | None = None
+
+
+def install(mode: str) -> IsolationChecker:
+    """Wrap the hand-off points; once per process."""
+    global CHECKER
+    if CHECKER is not None:
+        return CHECKER
+    checker = IsolationChecker(mode)
+
+    from vllm.model_executor.layers.attention import sparse_mla_attention
+    from vllm.v1.attention.backends.mla import index_group
+
+    impl_cls = sparse_mla_attention.SparseMLACommonImpl
+    stock_record = impl_cls.record_logical_topk_ready
+
+    def record_logical_topk_ready(self: Any) -> None:
+        stock_record(self)
+        group = self.index_group
+        if group is not None and group.has_indexer and self.index_group_index == 0:
+            checker.write(
+                checker.layer(group, 0), self.topk_indices_buffer, group.logical_topk_ready
+            )
+
+    mixin = sparse_mla_attention.SharedTopkIndicesBuffer
+    stock_buffer = mixin.topk_indices_buffer
+
+    def topk_indices_buffer(self: Any) -> Any:
+        buffer = stock_buffer.fget(self)
+        group = getattr(self, "index_group", None)
+        index = getattr(self, "index_group_index", 0)
+        if group is not None and index > 0:
+            checker.read(checker.layer(group, index), "logical top-k", buffer)
+        return buffer
+
+    group_cls = index_group.SparseMLAIndexGroup
+    stock_convert = group_cls._convert_once
+
+    def _convert_once(self: Any, layer_index: int, logical_topk_indices: Any, *args: Any, **kwargs: Any) -> Any:
+        cached = logical_topk_indices.shape[0] <= self.physical_topk_indices.shape[0]
+        if cached and layer_index > 0:
+            layer = checker.layer(self, layer_index)
+            checker.read(layer, "physical top-k", self.physical_topk_indices)
+            checker.read(layer, "valid counts", self.valid_topk_counts)
+            checker.read(layer, "physical-ready event", self.physical_topk_ready)
+        out = stock_convert(self, layer_index, logical_topk_indices, *args, **kwargs)
+        if cached and layer_index == 0:
+            checker.write(
+                checker.layer(self, 0),
+                self.physical_topk_indices,
+                self.valid_topk_counts,
+                self.physical_topk_ready,
+            )
+        return out
+
+    impl_cls.record_logical_topk_ready = record_logical_topk_ready
+    mixin.topk_indices_buffer = property(topk_indices_buffer, stock_buffer.fset)
+    group_cls._convert_once = _convert_once
+    CHECKER = checker
+    return checker
+
+
+def mode_from_env() -> str | None:
+    mode = os.environ.get(CHECK_ENV, "").strip().lower()
+    return mode or None

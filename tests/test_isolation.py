@@ -1,0 +1,65 @@
+"""The microbatch isolation checker: silent with the fix, exact on stock vLLM."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+
+def demo(phase: str, **env: str) -> subprocess.CompletedProcess:
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
+    return subprocess.run(
+        [sys.executable, "-m", "vllm_dsa_dbo.demo", "--phase", phase],
+        env={**environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_audit_on_stock_vllm_reports_exactly_microbatch0_followers_after_a_yield():
+    result = demo("stock", VLLM_DSA_DBO_DISABLE="1", VLLM_DSA_DBO_CHECK="audit")
+    assert result.returncode == 0, result.stderr[-3000:]
+    pairs = re.findall(r"  (.+?): (group \d follower \d) read (group \d leader)'s write", result.stdout)
+    readers = sorted({reader for _, reader, _ in pairs})
+    # Layers 4 and 5 follow leader 2 (group 2), layer 7 leader 6 (group 3);
+    # layer 3 runs before the first yield and reads its own microbatch's.
+    assert readers == ["group 2 follower 2", "group 2 follower 3", "group 3 follower 1"]
+    kinds = {kind for kind, _, _ in pairs}
+    assert kinds == {"logical top-k", "physical top-k", "valid counts", "physical-ready event"}
+    assert "isolation checker: 12 violations" in result.stdout
+    assert "microbatch isolation violated" in result.stderr + result.stdout
+
+
+def test_raise_mode_stops_at_the_first_bad_read_on_stock_vllm():
+    result = demo("stock", VLLM_DSA_DBO_DISABLE="1", VLLM_DSA_DBO_CHECK="raise")
+    assert result.returncode != 0
+    assert "MicrobatchIsolationError" in result.stderr
+    assert "group 2 follower 2 in microbatch 0" in result.stderr
+
+
+def test_fix_gives_zero_violations():
+    result = demo("fixed", VLLM_DSA_DBO_CHECK="raise")
+    assert result.returncode == 0, result.stderr[-3000:]
+    match = re.search(r"isolation checker: (\d+) violations in (\d+) checked reads", result.stdout)
+    assert match and match[1] == "0" and int(match[2]) >= 16
+
+
+def test_off_by_default_installs_nothing(vllm_env):
+    from vllm.v1.attention.backends.mla import index_group
+
+    from vllm_dsa_dbo import isolation
+
+    assert isolation.CHECKER is None
+    assert index_group.SparseMLAIndexGroup._convert_once.__module__ == index_group.__name__
+
+
+def test_bad_mode_is_refused():
+    from vllm_dsa_dbo.isolation import IsolationChecker
+
+    with pytest.raises(ValueError, match="VLLM_DSA_DBO_CHECK must be one of"):
+        IsolationChecker("loud")
