@@ -29,8 +29,8 @@ MUTATIONS = {
     ),
     "impl not wired to the per-microbatch logical buffers": (
         "patches/sparse_mla_attention.py",
-        "        return resolve_logical_topk(\n",
-        "        return (lambda group, buffer: buffer)(\n",
+        '    return resolve_logical_topk(getattr(self, "index_group", None), buffer)\n',
+        "    return buffer\n",
     ),
     "leader's writers not wired to the impl's buffer": (
         "patches/deepseek_v32_attention.py",

@@ -124,8 +124,9 @@ def install(mode: str) -> IsolationChecker:
         stock_record(self)
         group = self.index_group
         if group is not None and group.has_indexer and self.index_group_index == 0:
+            state = group._topk_state() if hasattr(group, "_topk_state") else group
             checker.write(
-                checker.layer(group, 0), self.topk_indices_buffer, group.logical_topk_ready
+                checker.layer(group, 0), self.topk_indices_buffer, state.logical_topk_ready
             )
 
     mixin = sparse_mla_attention.SharedTopkIndicesBuffer
@@ -143,19 +144,21 @@ def install(mode: str) -> IsolationChecker:
     stock_convert = group_cls._convert_once
 
     def _convert_once(self: Any, layer_index: int, logical_topk_indices: Any, *args: Any, **kwargs: Any) -> Any:
-        cached = logical_topk_indices.shape[0] <= self.physical_topk_indices.shape[0]
+        # The state this microbatch uses: the fix's copy, or stock vLLM's one.
+        state = self._topk_state() if hasattr(self, "_topk_state") else self
+        cached = logical_topk_indices.shape[0] <= state.physical_topk_indices.shape[0]
         if cached and layer_index > 0:
             layer = checker.layer(self, layer_index)
-            checker.read(layer, "physical top-k", self.physical_topk_indices)
-            checker.read(layer, "valid counts", self.valid_topk_counts)
-            checker.read(layer, "physical-ready event", self.physical_topk_ready)
+            checker.read(layer, "physical top-k", state.physical_topk_indices)
+            checker.read(layer, "valid counts", state.valid_topk_counts)
+            checker.read(layer, "physical-ready event", state.physical_topk_ready)
         out = stock_convert(self, layer_index, logical_topk_indices, *args, **kwargs)
         if cached and layer_index == 0:
             checker.write(
                 checker.layer(self, 0),
-                self.physical_topk_indices,
-                self.valid_topk_counts,
-                self.physical_topk_ready,
+                state.physical_topk_indices,
+                state.valid_topk_counts,
+                state.physical_topk_ready,
             )
         return out
 

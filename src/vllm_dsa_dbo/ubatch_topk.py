@@ -10,9 +10,11 @@ the new types and lookups only; it patches nothing and is written to drop into
 
 from __future__ import annotations
 
+import functools
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -28,6 +30,8 @@ def current_ubatch_id() -> int:
     `dbo_current_ubatch_id()` raises KeyError for a thread that is not a
     microbatch thread while microbatches run; a state lookup must not.
     """
+    if not _UBATCH_ID_OF_THREAD:
+        return 0
     return _UBATCH_ID_OF_THREAD.get(threading.get_ident(), 0)
 
 
@@ -44,30 +48,33 @@ class UbatchTopkState:
 UBATCH_TOPK_FIELDS = tuple(f.name for f in fields(UbatchTopkState))
 
 
-class UbatchTopkField:
-    """Group attribute that resolves to the calling microbatch's copy.
+R = TypeVar("R")
 
-    Microbatch 0 keeps the value the group was built with, so runs without DBO
-    and groups without followers see exactly the stock attribute.
+
+def with_topk_state(method: Callable[..., R]) -> Callable[..., R]:
+    """Run a group method against the calling microbatch's state.
+
+    For a microbatch with its own copy, the group's four state fields are bound
+    to that copy for the length of the call and then back to microbatch 0's:
+    vLLM's method body runs unchanged and every field read stays a plain
+    attribute read. DBO switches microbatch threads only at its yields, which
+    these methods never reach, so no other microbatch can see the binding.
     """
 
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def __get__(self, group: Any, owner: type | None = None) -> Any:
-        if group is None:
-            return self
+    @functools.wraps(method)
+    def bound(group: Any, *args: Any, **kwargs: Any) -> R:
+        if not _UBATCH_ID_OF_THREAD:  # no microbatch running
+            return method(group, *args, **kwargs)
         state = group._topk_state()
         if state is group:
-            return group.__dict__[self.name]
-        return getattr(state, self.name)
+            return method(group, *args, **kwargs)
+        group.__dict__.update(vars(state))
+        try:
+            return method(group, *args, **kwargs)
+        finally:
+            group.__dict__.update(vars(group.ubatch0_topk_state))
 
-    def __set__(self, group: Any, value: Any) -> None:
-        state = group._topk_state()
-        if state is group:
-            group.__dict__[self.name] = value
-        else:
-            setattr(state, self.name, value)
+    return bound
 
 
 def topk_state(group: Any) -> Any:
@@ -90,7 +97,9 @@ def resolve_logical_topk(
     Only the builder's own logical buffer has microbatch copies; a buffer
     re-pointed elsewhere (the MTP draft's) resolves to itself.
     """
-    ubatch_id = current_ubatch_id()
+    if not _UBATCH_ID_OF_THREAD:
+        return buffer
+    ubatch_id = _UBATCH_ID_OF_THREAD.get(threading.get_ident(), 0)
     if ubatch_id == 0 or group is None:
         return buffer
     extra = group.ubatch_logical_topk_indices
@@ -116,6 +125,9 @@ def add_follower_state(builder: Any, group: Any) -> None:
     list every group of the builder already holds by reference.
     """
     num_extra = builder.num_ubatches - 1
+    group.ubatch0_topk_state = UbatchTopkState(
+        **{name: getattr(group, name) for name in UBATCH_TOPK_FIELDS}
+    )
     group.ubatch_topk_states = [new_ubatch_topk_state(group) for _ in range(num_extra)]
     builder.follower_groups.append(group)
     if not builder.ubatch_logical_topk_indices:

@@ -6,7 +6,7 @@ from types import ModuleType
 from typing import Any
 
 from vllm_dsa_dbo.patches import Patch
-from vllm_dsa_dbo.ubatch_topk import resolve_logical_topk
+from vllm_dsa_dbo.ubatch_topk import _UBATCH_ID_OF_THREAD, resolve_logical_topk
 
 PATCH = Patch(
     target="vllm.model_executor.layers.attention.sparse_mla_attention",
@@ -16,9 +16,10 @@ PATCH = Patch(
         "read and write rows [0:n) of that one buffer."
     ),
     how=(
-        "The property getter resolves the stock buffer, then the calling "
-        "microbatch's copy from the impl's index group; the setter is kept, so the "
-        "MTP proposer still re-points draft impls through it."
+        "The property getter resolves the buffer as vLLM's does (the indexer's, "
+        "else the explicit one), then the calling microbatch's copy from the "
+        "impl's index group; the setter is kept, so the MTP proposer still "
+        "re-points draft impls through it."
     ),
     upstream=(
         "vllm PR #60734: SharedTopkIndicesBuffer.topk_indices_buffer returns the "
@@ -28,13 +29,15 @@ PATCH = Patch(
 )
 
 
+def topk_indices_buffer(self: Any) -> Any:
+    # vLLM's getter, inline: this property is read on every sparse MLA call.
+    indexer = self._indexer
+    buffer = self._topk_indices_buffer if indexer is None else indexer.topk_indices_buffer
+    if not _UBATCH_ID_OF_THREAD:  # no microbatch running
+        return buffer
+    return resolve_logical_topk(getattr(self, "index_group", None), buffer)
+
+
 def apply(target: ModuleType) -> None:
     mixin = target.SharedTopkIndicesBuffer
-    stock = mixin.topk_indices_buffer
-
-    def topk_indices_buffer(self: Any) -> Any:
-        return resolve_logical_topk(
-            getattr(self, "index_group", None), stock.fget(self)
-        )
-
-    mixin.topk_indices_buffer = property(topk_indices_buffer, stock.fset)
+    mixin.topk_indices_buffer = property(topk_indices_buffer, mixin.topk_indices_buffer.fset)
