@@ -121,16 +121,20 @@ def cpu_vllm() -> Iterator[object]:
         yield config
 
 
-def run_dbo_step(step: Callable[[int], None], num_ubatches: int = 2) -> None:
+def run_dbo_step(
+    step: Callable[[int], None], num_ubatches: int = 2, stream: object = None
+) -> None:
     """Run `step(ubatch_id)` in vLLM's microbatch threads, as UBatchWrapper does.
 
     Each thread enters a real `UBatchContext`; `dbo_yield()` inside `step`
     hands over to the next microbatch exactly as the MoE's dispatch does.
+    `stream` is the shared compute/comm stream: a real CUDA stream on a GPU,
+    the CPU stand-in by default.
     """
     from vllm.config import get_current_vllm_config
     from vllm.forward_context import create_forward_context
 
-    stream = FakeStream()
+    stream = FakeStream() if stream is None else stream
     barrier = threading.Barrier(num_ubatches + 1)
     config = get_current_vllm_config()
     contexts = make_ubatch_contexts(
@@ -143,7 +147,10 @@ def run_dbo_step(step: Callable[[int], None], num_ubatches: int = 2) -> None:
     errors: list[BaseException] = []
 
     def thread_main(context) -> None:
-        set_stream(stream)
+        if isinstance(stream, FakeStream):
+            set_stream(stream)
+        else:
+            torch.cuda.set_stream(stream)
         try:
             with context:
                 step(context.id)

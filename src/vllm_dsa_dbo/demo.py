@@ -105,32 +105,32 @@ def attention_module(impl: SparseMLACommonImpl, buffer: torch.Tensor) -> nn.Modu
     return attn
 
 
-def metadata(ubatch: int) -> SimpleNamespace:
+def metadata(ubatch: int, device: str = "cpu") -> SimpleNamespace:
     g = torch.Generator().manual_seed(1000 + ubatch)
     n, reqs = TOKENS_PER_UBATCH[ubatch], REQS_PER_UBATCH[ubatch]
     return SimpleNamespace(
-        req_id_per_token=torch.randint(0, reqs, (n,), generator=g).int(),
-        block_table=torch.randperm(64, generator=g)[: reqs * 4].view(reqs, 4).int(),
+        req_id_per_token=torch.randint(0, reqs, (n,), generator=g).int().to(device),
+        block_table=torch.randperm(64, generator=g)[: reqs * 4].view(reqs, 4).int().to(device),
         block_size=BLOCK_SIZE,
     )
 
 
-def logical_topk(source: Source) -> torch.Tensor:
+def logical_topk(source: Source, device: str = "cpu") -> torch.Tensor:
     """A top-k unique to one leader in one microbatch (-1 marks unused slots)."""
     g = torch.Generator().manual_seed(source.ubatch * 100 + source.leader)
     n = TOKENS_PER_UBATCH[source.ubatch]
     logical = torch.randint(0, 4 * BLOCK_SIZE, (n, INDEX_TOPK), generator=g)
     logical[torch.rand(n, INDEX_TOPK, generator=g) < 0.2] = -1
-    return logical.int()
+    return logical.int().to(device)
 
 
-def physical_topk(source: Source) -> tuple[torch.Tensor, torch.Tensor]:
+def physical_topk(source: Source, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """What vLLM's conversion kernel makes of `source`'s top-k, with its counts."""
-    meta = metadata(source.ubatch)
+    meta = metadata(source.ubatch, device)
     return triton_convert_req_index_to_global_index(
         meta.req_id_per_token,
         meta.block_table,
-        logical_topk(source),
+        logical_topk(source, device),
         BLOCK_SIZE=BLOCK_SIZE,
         NUM_TOPK_TOKENS=INDEX_TOPK,
         return_valid_counts=True,
@@ -144,10 +144,13 @@ class SharedTopkStack:
     argument); with the fix applied it is the builder's microbatch count.
     """
 
-    def __init__(self, leaders: list[bool], num_ubatches: int | None) -> None:
+    def __init__(
+        self, leaders: list[bool], num_ubatches: int | None, device: str = "cpu"
+    ) -> None:
         self.leaders = leaders
+        self.device = device
         self.buffer = torch.full(
-            (MAX_NUM_BATCHED_TOKENS, INDEX_TOPK), -1, dtype=torch.int32
+            (MAX_NUM_BATCHED_TOKENS, INDEX_TOPK), -1, dtype=torch.int32, device=device
         )
         kwargs = {} if num_ubatches is None else {"num_ubatches": num_ubatches}
         self.builder = SparseMLAIndexGroupBuilder(self.buffer, MAX_DECODE_ROWS, **kwargs)
@@ -165,19 +168,36 @@ class SharedTopkStack:
         impl, n = self.impls[layer], TOKENS_PER_UBATCH[ubatch]
         logical = impl.topk_indices_buffer[:n]
         physical, counts = impl._convert_logical_to_physical_topk(
-            logical, metadata(ubatch), block_stride_rows=None, return_valid_counts=True
+            logical,
+            metadata(ubatch, self.device),
+            block_stride_rows=None,
+            return_valid_counts=True,
         )
         return logical.clone(), physical.clone(), counts.clone()
 
-    def run_step(self, yield_from_layer: int = 0) -> list[Read]:
+    def run_step(self, yield_from_layer: int = 0, stream: object = None) -> list[Read]:
         """One DBO step: every layer in both microbatches, yielding after each
-        layer from `yield_from_layer` on (the MoE layers' dispatch/combine)."""
+        layer from `yield_from_layer` on (the MoE layers' dispatch/combine).
+        `stream`: a real CUDA compute stream, else the CPU stand-in."""
+        raw = self.run_reads(yield_from_layer, stream)
+        return [self._classify(layer, u, *raw[layer, u]) for layer, u in sorted(raw)]
+
+    def run_reads(
+        self, yield_from_layer: int = 0, stream: object = None
+    ) -> dict[tuple[int, int], tuple[torch.Tensor, ...]]:
+        """The step itself: what each (layer, microbatch) read."""
         raw: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+        inputs = {
+            (u, i): logical_topk(Source(u, i), self.device)
+            for u in (0, 1)
+            for i, leads in enumerate(self.leaders)
+            if leads
+        }
 
         def step(ubatch: int) -> None:
             for layer, attn in enumerate(self.attns):
                 if attn is not None:
-                    logical = logical_topk(Source(ubatch, layer))
+                    logical = inputs[ubatch, layer]
                     # fused_norm_rope and sparse_attn_indexer write here.
                     attn.topk_indices_buffer[: logical.shape[0]] = logical
                     self.impls[layer].record_logical_topk_ready()
@@ -185,8 +205,8 @@ class SharedTopkStack:
                 if layer >= yield_from_layer:
                     dbo_yield()
 
-        cpu_dbo.run_dbo_step(step)
-        return [self._classify(layer, u, *raw[layer, u]) for layer, u in sorted(raw)]
+        cpu_dbo.run_dbo_step(step, stream=stream)
+        return raw
 
     def _classify(self, layer, ubatch, logical, physical, counts) -> Read:
         sources = [Source(u, i) for u in (0, 1) for i, leads in enumerate(self.leaders) if leads]
@@ -198,10 +218,10 @@ class SharedTopkStack:
             layer=layer,
             ubatch=ubatch,
             expected=Source(ubatch, self.leader_of(layer)),
-            logical=match(sources, lambda s: _same(logical, logical_topk(s))),
+            logical=match(sources, lambda s: _same(logical, logical_topk(s, self.device))),
             physical=match(
                 sources,
-                lambda s: all(map(_same, (physical, counts), physical_topk(s))),
+                lambda s: all(map(_same, (physical, counts), physical_topk(s, self.device))),
             ),
         )
 
