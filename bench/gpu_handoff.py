@@ -24,6 +24,7 @@ if __name__ == "__main__" and "--phase" in sys.argv:
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "0")
 
 import argparse  # noqa: E402
+import gc  # noqa: E402
 import json  # noqa: E402
 import subprocess  # noqa: E402
 import time  # noqa: E402
@@ -40,6 +41,9 @@ def measure_phase(phase: str) -> dict:
 
     vllm_dsa_dbo.register()
     result: dict = {"phase": phase, "gpu": torch.cuda.get_device_name(0)}
+    if phase == "fixed":
+        # First, before anything else lives on the device.
+        result["glm53"] = {freq: glm53_extra_bytes(freq) for freq in (4, 1)}
     with cpu_dbo.cpu_vllm():
         stream = torch.cuda.Stream()
         stack = SharedTopkStack(
@@ -62,8 +66,6 @@ def measure_phase(phase: str) -> dict:
             wrong_reads=[(r.layer, r.ubatch) for r in reads if not r.ok],
             reads=len(reads),
         )
-        if phase == "fixed":
-            result["glm53"] = {freq: glm53_extra_bytes(freq) for freq in (4, 1)}
     return result
 
 
@@ -79,16 +81,22 @@ def glm53_extra_bytes(index_topk_freq: int) -> dict:
 
     leaders = leader_mask({**GLM53, "index_topk_freq": index_topk_freq})
     allocated, builders = {}, {}
-    for num_ubatches in (1, 2):
-        buffer = torch.empty(8192, GLM53["index_topk"], dtype=torch.int32, device="cuda")
-        before = torch.cuda.memory_allocated()
-        builder = SparseMLAIndexGroupBuilder(buffer, 1024, num_ubatches=num_ubatches)
-        for leads in leaders:
-            builder.register_layer(leads)
-        allocated[num_ubatches] = torch.cuda.memory_allocated() - before
-        builders[num_ubatches] = builder
+    gc.collect()
+    gc.disable()  # nothing else may free device memory while we count
+    try:
+        for num_ubatches in (1, 2):
+            buffer = torch.empty(8192, GLM53["index_topk"], dtype=torch.int32, device="cuda")
+            before = torch.cuda.memory_allocated()
+            builder = SparseMLAIndexGroupBuilder(buffer, 1024, num_ubatches=num_ubatches)
+            for leads in leaders:
+                builder.register_layer(leads)
+            allocated[num_ubatches] = torch.cuda.memory_allocated() - before
+            builders[num_ubatches] = builder
+    finally:
+        gc.enable()
     return {
         "groups_with_followers": len(builders[2].follower_groups),
+        "allocator_bytes": allocated,
         "allocator_extra_bytes": allocated[2] - allocated[1],
         "tensor_extra_bytes": ubatch_topk_bytes(builders[2].follower_groups),
     }

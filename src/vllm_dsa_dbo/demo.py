@@ -159,6 +159,14 @@ class SharedTopkStack:
             attention_module(impl, self.buffer) if leads else None
             for impl, leads in zip(self.impls, leaders)
         ]
+        # Inputs on the device up front: the step itself copies nothing in.
+        self.inputs = {
+            (u, i): logical_topk(Source(u, i), device)
+            for u in (0, 1)
+            for i, leads in enumerate(leaders)
+            if leads
+        }
+        self.metadata = [metadata(u, device) for u in (0, 1)]
 
     def leader_of(self, layer: int) -> int:
         return max(i for i in range(layer + 1) if self.leaders[i])
@@ -169,7 +177,7 @@ class SharedTopkStack:
         logical = impl.topk_indices_buffer[:n]
         physical, counts = impl._convert_logical_to_physical_topk(
             logical,
-            metadata(ubatch, self.device),
+            self.metadata[ubatch],
             block_stride_rows=None,
             return_valid_counts=True,
         )
@@ -187,17 +195,11 @@ class SharedTopkStack:
     ) -> dict[tuple[int, int], tuple[torch.Tensor, ...]]:
         """The step itself: what each (layer, microbatch) read."""
         raw: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
-        inputs = {
-            (u, i): logical_topk(Source(u, i), self.device)
-            for u in (0, 1)
-            for i, leads in enumerate(self.leaders)
-            if leads
-        }
 
         def step(ubatch: int) -> None:
             for layer, attn in enumerate(self.attns):
                 if attn is not None:
-                    logical = inputs[ubatch, layer]
+                    logical = self.inputs[ubatch, layer]
                     # fused_norm_rope and sparse_attn_indexer write here.
                     attn.topk_indices_buffer[: logical.shape[0]] = logical
                     self.impls[layer].record_logical_topk_ready()

@@ -10,11 +10,9 @@ the new types and lookups only; it patches nothing and is written to drop into
 
 from __future__ import annotations
 
-import functools
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
@@ -48,33 +46,34 @@ class UbatchTopkState:
 UBATCH_TOPK_FIELDS = tuple(f.name for f in fields(UbatchTopkState))
 
 
-R = TypeVar("R")
+class UbatchTopkField:
+    """Group attribute that resolves to the calling microbatch's copy.
 
-
-def with_topk_state(method: Callable[..., R]) -> Callable[..., R]:
-    """Run a group method against the calling microbatch's state.
-
-    For a microbatch with its own copy, the group's four state fields are bound
-    to that copy for the length of the call and then back to microbatch 0's:
-    vLLM's method body runs unchanged and every field read stays a plain
-    attribute read. DBO switches microbatch threads only at its yields, which
-    these methods never reach, so no other microbatch can see the binding.
+    Microbatch 0 keeps the value the group was built with, so runs without DBO
+    and groups without followers see exactly the stock attribute. Every read
+    of the state, in vLLM's `_convert_once` and `set_logical_topk_ready` or
+    anywhere else, resolves here: nothing depends on where DBO yields.
     """
 
-    @functools.wraps(method)
-    def bound(group: Any, *args: Any, **kwargs: Any) -> R:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, group: Any, owner: type | None = None) -> Any:
+        if group is None:
+            return self
         if not _UBATCH_ID_OF_THREAD:  # no microbatch running
-            return method(group, *args, **kwargs)
+            return group.__dict__[self.name]
         state = group._topk_state()
         if state is group:
-            return method(group, *args, **kwargs)
-        group.__dict__.update(vars(state))
-        try:
-            return method(group, *args, **kwargs)
-        finally:
-            group.__dict__.update(vars(group.ubatch0_topk_state))
+            return group.__dict__[self.name]
+        return getattr(state, self.name)
 
-    return bound
+    def __set__(self, group: Any, value: Any) -> None:
+        state = group._topk_state()
+        if state is group:
+            group.__dict__[self.name] = value
+        else:
+            setattr(state, self.name, value)
 
 
 def topk_state(group: Any) -> Any:
@@ -125,9 +124,6 @@ def add_follower_state(builder: Any, group: Any) -> None:
     list every group of the builder already holds by reference.
     """
     num_extra = builder.num_ubatches - 1
-    group.ubatch0_topk_state = UbatchTopkState(
-        **{name: getattr(group, name) for name in UBATCH_TOPK_FIELDS}
-    )
     group.ubatch_topk_states = [new_ubatch_topk_state(group) for _ in range(num_extra)]
     builder.follower_groups.append(group)
     if not builder.ubatch_logical_topk_indices:

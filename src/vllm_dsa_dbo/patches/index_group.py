@@ -49,8 +49,8 @@ def apply(target: ModuleType) -> None:
     group_cls.ubatch_topk_states = ()
     group_cls.ubatch_logical_topk_indices = ()
     group_cls._topk_state = ubatch_topk.topk_state
-    for name in ("_convert_once", "set_logical_topk_ready"):
-        setattr(group_cls, name, ubatch_topk.with_topk_state(getattr(group_cls, name)))
+    for name in ubatch_topk.UBATCH_TOPK_FIELDS:
+        setattr(group_cls, name, ubatch_topk.UbatchTopkField(name))
 
     def __init__(
         self: Any,
