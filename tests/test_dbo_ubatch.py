@@ -81,3 +81,29 @@ def test_dbo_ubatch_no_dbo_allocates_nothing(fake_gpu, num_ubatches):
     assert stack.builder.num_ubatches == 1
     assert stack.builder.ubatch_logical_topk_indices == []
     assert stack.impls[1].index_group.ubatch_topk_states == ()
+
+
+def test_dbo_ubatch_leaders_writing_elsewhere_are_refused(fake_gpu):
+    """A leader whose module writes the top-k itself (the deepseek_v2 path):
+    its group never resolves per microbatch, and the loader refuses the model."""
+    import torch.nn as nn
+
+    from vllm_dsa_dbo.cpu_dbo import run_dbo_step
+    from vllm_dsa_dbo.demo import make_impl
+    from vllm_dsa_dbo.patches.base_loader import check_wired
+
+    stack = SharedTopkStack(LEADERS, num_ubatches=2)
+    leader = make_impl(stack.builder, stack.buffer, leads=True)
+    follower = make_impl(stack.builder, stack.buffer, leads=False)
+    seen = {}
+    run_dbo_step(lambda u: seen.__setitem__(u, follower.topk_indices_buffer))
+    assert seen == {0: stack.buffer, 1: stack.buffer}
+
+    modules = []
+    for impl in (leader, follower):
+        module = nn.Module()
+        module.impl = impl
+        modules.append(module)
+    with pytest.raises(ValueError, match="Drop --enable-dbo"):
+        check_wired(nn.ModuleList(modules))
+    check_wired(nn.ModuleList([stack.attns[1]]))

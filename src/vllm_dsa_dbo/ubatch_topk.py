@@ -94,7 +94,9 @@ def resolve_logical_topk(
     """The calling microbatch's logical top-k buffer in place of `buffer`.
 
     Only the builder's own logical buffer has microbatch copies; a buffer
-    re-pointed elsewhere (the MTP draft's) resolves to itself.
+    re-pointed elsewhere (the MTP draft's) resolves to itself. So does the
+    buffer of a group whose leader writes the top-k without asking the impl
+    (its writers would fill microbatch 0's buffer for every microbatch).
     """
     if not _UBATCH_ID_OF_THREAD:
         return buffer
@@ -102,7 +104,7 @@ def resolve_logical_topk(
     if ubatch_id == 0 or group is None:
         return buffer
     extra = group.ubatch_logical_topk_indices
-    if not extra or buffer is not group.logical_topk_indices:
+    if not extra or not group.leader_writes_follow_impl or buffer is not group.logical_topk_indices:
         return buffer
     return extra[ubatch_id - 1]
 
@@ -140,6 +142,11 @@ def index_groups(model: torch.nn.Module) -> list[Any]:
         if group is not None:
             groups.setdefault(id(group), group)
     return list(groups.values())
+
+
+def unwired_follower_groups(groups: list[Any]) -> list[Any]:
+    """Groups with per-microbatch state whose leader writes elsewhere."""
+    return [g for g in groups if g.ubatch_topk_states and not g.leader_writes_follow_impl]
 
 
 def ubatch_topk_bytes(groups: list[Any]) -> int:

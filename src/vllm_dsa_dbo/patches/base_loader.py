@@ -6,22 +6,47 @@ from types import ModuleType
 from typing import Any
 
 from vllm_dsa_dbo.patches import Patch
-from vllm_dsa_dbo.ubatch_topk import index_groups, ubatch_topk_bytes
+from vllm_dsa_dbo.ubatch_topk import (
+    index_groups,
+    ubatch_topk_bytes,
+    unwired_follower_groups,
+)
 
 PATCH = Patch(
     target="vllm.model_executor.model_loader.base_loader",
     why=(
         "An operator cannot see from the logs whether the fix is active for a model "
-        "or what it costs."
+        "or what it costs; and models whose leaders write the top-k outside "
+        "DeepseekV32Attention (the deepseek_v2 / glm4_moe_lite DSA path) would "
+        "still share it between microbatches."
     ),
     how=(
         "Wraps the loader's initialize_model: after a model is built, each worker "
-        "logs one INFO line with the microbatch count, the index groups with "
-        "followers and the bytes allocated, and nothing when nothing was allocated."
+        "refuses a model whose follower groups' leaders are not wired to the "
+        "per-microbatch buffers, else logs one INFO line with the microbatch "
+        "count, the index groups with followers and the bytes allocated, and "
+        "nothing when nothing was allocated."
     ),
-    upstream="none: operator visibility for the plugin only",
+    upstream=(
+        "none for the log line; the refusal stands in for the deepseek_v2 path, "
+        "which PR #60734 leaves unfixed"
+    ),
     remove_when="with the other patches (the vLLM release that merges PR #60734)",
 )
+
+
+def check_wired(model: Any) -> None:
+    """Refuse DBO for a model whose leaders write the shared top-k elsewhere."""
+    if unwired_follower_groups(index_groups(model)):
+        raise ValueError(
+            f"vllm-dsa-dbo: {type(model).__name__} shares top-k between layers "
+            "(index_topk_freq > 1 or an index_topk_pattern), but on this code path "
+            "its leader layers write the top-k without going through the "
+            "per-microbatch buffers (only vLLM's CUDA DeepSeek-V3.2 / GLM-5 "
+            "attention, vllm/models/deepseek_v32, is covered). With dual batch "
+            "overlap its followers would read the other microbatch's top-k. "
+            "Drop --enable-dbo (and --ubatch-size) for this model."
+        )
 
 
 def describe(model: Any) -> str | None:
@@ -47,6 +72,7 @@ def apply(target: ModuleType) -> None:
 
     def initialize_model(*args: Any, **kwargs: Any) -> Any:
         model = stock(*args, **kwargs)
+        check_wired(model)
         line = describe(model)
         if line is not None:
             logger.info(line)

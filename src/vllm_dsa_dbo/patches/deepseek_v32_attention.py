@@ -18,7 +18,8 @@ PATCH = Patch(
     how=(
         "A class property topk_indices_buffer that reads and assigns the impl's "
         "property: writers and readers resolve the same buffer, and the MTP "
-        "proposer's re-pointing reaches the impl."
+        "proposer's re-pointing reaches the impl. Assigning it marks the impl's "
+        "index group as wired; only wired groups resolve per microbatch."
     ),
     upstream=(
         "vllm PR #60734: the leader's writers take the buffer from "
@@ -34,6 +35,9 @@ def _get(self: Any) -> Any:
 
 def _set(self: Any, buffer: Any) -> None:
     self.impl.topk_indices_buffer = buffer
+    group = getattr(self.impl, "index_group", None)
+    if group is not None:
+        group.leader_writes_follow_impl = True
 
 
 def apply(target: ModuleType) -> None:

@@ -48,6 +48,8 @@ def apply(target: ModuleType) -> None:
 
     group_cls.ubatch_topk_states = ()
     group_cls.ubatch_logical_topk_indices = ()
+    # Set by a leader's attention module that takes its buffer from the impl.
+    group_cls.leader_writes_follow_impl = False
     group_cls._topk_state = ubatch_topk.topk_state
     for name in ubatch_topk.UBATCH_TOPK_FIELDS:
         setattr(group_cls, name, ubatch_topk.UbatchTopkField(name))
