@@ -107,3 +107,29 @@ def test_dbo_ubatch_leaders_writing_elsewhere_are_refused(fake_gpu):
     with pytest.raises(ValueError, match="Drop --enable-dbo"):
         check_wired(nn.ModuleList(modules))
     check_wired(nn.ModuleList([stack.attns[1]]))
+
+
+@pytest.mark.parametrize("num_ubatches, refused", [(2, True), (1, False)])
+def test_dbo_ubatch_followers_in_private_groups_are_refused(fake_gpu, num_ubatches, refused):
+    """ROCm DSA / HYV4 style: no shared builder, so a follower gets a group of
+    its own and still reads the model-wide logical buffer its leader wrote."""
+    import torch
+    import torch.nn as nn
+
+    from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroupBuilder
+
+    from vllm_dsa_dbo.demo import attention_module, make_impl
+    from vllm_dsa_dbo.patches.base_loader import check_wired
+
+    buffer = torch.full((32, 128), -1, dtype=torch.int32)
+    impls = [
+        make_impl(SparseMLAIndexGroupBuilder(buffer, 8, num_ubatches=num_ubatches), buffer, leads)
+        for leads in LEADERS
+    ]
+    model = nn.ModuleList([attention_module(impl, buffer) for impl in impls])
+    assert all(impl.index_group.num_layers == 1 for impl in impls)
+    if refused:
+        with pytest.raises(ValueError, match="Drop --enable-dbo"):
+            check_wired(model)
+    else:
+        check_wired(model)

@@ -144,9 +144,19 @@ def index_groups(model: torch.nn.Module) -> list[Any]:
     return list(groups.values())
 
 
-def unwired_follower_groups(groups: list[Any]) -> list[Any]:
-    """Groups with per-microbatch state whose leader writes elsewhere."""
-    return [g for g in groups if g.ubatch_topk_states and not g.leader_writes_follow_impl]
+def shares_topk_across_ubatches(group: Any) -> bool:
+    """Whether, under DBO, a layer of `group` would read a top-k that another
+    layer wrote into state the microbatches share.
+
+    That is a group with followers, or a follower with a group of its own
+    (models whose layers build private groups, like the ROCm DSA path), that
+    runs with several microbatches and lacks per-microbatch copies wired to
+    its leader's writers.
+    """
+    reads_another_layers_topk = group.num_layers > 1 or not group.has_indexer
+    if group.num_ubatches < 2 or not reads_another_layers_topk:
+        return False
+    return not (group.ubatch_topk_states and group.leader_writes_follow_impl)
 
 
 def ubatch_topk_bytes(groups: list[Any]) -> int:

@@ -8,8 +8,8 @@ from typing import Any
 from vllm_dsa_dbo.patches import Patch
 from vllm_dsa_dbo.ubatch_topk import (
     index_groups,
+    shares_topk_across_ubatches,
     ubatch_topk_bytes,
-    unwired_follower_groups,
 )
 
 PATCH = Patch(
@@ -17,13 +17,15 @@ PATCH = Patch(
     why=(
         "An operator cannot see from the logs whether the fix is active for a model "
         "or what it costs; and models whose leaders write the top-k outside "
-        "DeepseekV32Attention (the deepseek_v2 / glm4_moe_lite DSA path) would "
-        "still share it between microbatches."
+        "DeepseekV32Attention (the deepseek_v2 / glm4_moe_lite DSA path), or whose "
+        "followers build private index groups (ROCm DSA, HYV4), would still share "
+        "it between microbatches."
     ),
     how=(
         "Wraps the loader's initialize_model: after a model is built, each worker "
-        "refuses a model whose follower groups' leaders are not wired to the "
-        "per-microbatch buffers, else logs one INFO line with the microbatch "
+        "refuses, under DBO, a model whose followers would read shared top-k "
+        "state (leaders not wired to the per-microbatch buffers, or followers in "
+        "private groups), else logs one INFO line with the microbatch "
         "count, the index groups with followers and the bytes allocated, and "
         "nothing when nothing was allocated."
     ),
@@ -37,13 +39,13 @@ PATCH = Patch(
 
 def check_wired(model: Any) -> None:
     """Refuse DBO for a model whose leaders write the shared top-k elsewhere."""
-    if unwired_follower_groups(index_groups(model)):
+    if any(shares_topk_across_ubatches(g) for g in index_groups(model)):
         raise ValueError(
             f"vllm-dsa-dbo: {type(model).__name__} shares top-k between layers "
             "(index_topk_freq > 1 or an index_topk_pattern), but on this code path "
             "its leader layers write the top-k without going through the "
             "per-microbatch buffers (only vLLM's CUDA DeepSeek-V3.2 / GLM-5 "
-            "attention, vllm/models/deepseek_v32, is covered). With dual batch "
+            "path, vllm/models/deepseek_v32/nvidia, is covered). With dual batch "
             "overlap its followers would read the other microbatch's top-k. "
             "Drop --enable-dbo (and --ubatch-size) for this model."
         )

@@ -50,6 +50,7 @@ def apply(target: ModuleType) -> None:
     group_cls.ubatch_logical_topk_indices = ()
     # Set by a leader's attention module that takes its buffer from the impl.
     group_cls.leader_writes_follow_impl = False
+    group_cls.num_ubatches = 1
     group_cls._topk_state = ubatch_topk.topk_state
     for name in ubatch_topk.UBATCH_TOPK_FIELDS:
         setattr(group_cls, name, ubatch_topk.UbatchTopkField(name))
@@ -93,6 +94,7 @@ def apply(target: ModuleType) -> None:
             self, is_index_producing_layer, vllm_config, **kwargs
         )
         if layer_index == 0:
+            group.num_ubatches = self.num_ubatches
             group.ubatch_logical_topk_indices = self.ubatch_logical_topk_indices
         elif layer_index == 1 and self.num_ubatches > 1:
             ubatch_topk.add_follower_state(self, group)
