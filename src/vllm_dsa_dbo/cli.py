@@ -214,6 +214,28 @@ def demo(args: argparse.Namespace) -> int:
     return 0 if fixed_clean else 1
 
 
+# ab -------------------------------------------------------------------------
+
+
+def ab(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from vllm_dsa_dbo.ab import SamplesError, compare, table
+
+    for folder in [args.reference, *args.runs]:
+        if not Path(folder).is_dir():
+            raise UsageError(f"{folder} is not a folder")
+    try:
+        rows = compare(Path(args.reference), [Path(r) for r in args.runs], args.task, args.metric)
+    except SamplesError as e:
+        raise UsageError(str(e)) from None
+    if args.json:
+        print(json.dumps([{**asdict(r), "mcnemar_z": r.mcnemar_z} for r in rows], indent=1))
+    else:
+        print(table(rows))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vllm-dsa-dbo",
@@ -242,6 +264,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.set_defaults(func=memory)
+
+    p = sub.add_parser(
+        "ab",
+        help="question-by-question A/B of lm_eval --log_samples folders (lost/gained, McNemar z)",
+    )
+    p.add_argument("reference", help="lm_eval output folder of the reference run (e.g. DBO off)")
+    p.add_argument("runs", nargs="+", help="lm_eval output folders to compare with it")
+    p.add_argument("--task", default="gsm8k", help="task name in samples_<task>_*.jsonl")
+    p.add_argument("--metric", default="exact_match", help="per-sample metric; 1 means right")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=ab)
 
     p = sub.add_parser(
         "demo",
