@@ -40,12 +40,6 @@ class FakeEvent:
     def record(self, stream: object = None) -> None:
         self.recorded_by = dbo_current_ubatch_id()
 
-    def synchronize(self) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
 
 class FakeStream:
     """Logs every event wait as (waiting microbatch, event, its recorder)."""
@@ -59,9 +53,6 @@ class FakeStream:
         FakeStream.waits.append((dbo_current_ubatch_id(), event, event.recorded_by))
 
     def wait_stream(self, stream: object) -> None:
-        pass
-
-    def synchronize(self) -> None:
         pass
 
     def __enter__(self) -> FakeStream:
