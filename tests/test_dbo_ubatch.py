@@ -133,3 +133,26 @@ def test_dbo_ubatch_followers_in_private_groups_are_refused(fake_gpu, num_ubatch
             check_wired(model)
     else:
         check_wired(model)
+
+
+def test_dbo_ubatch_other_threads_resolve_ubatch0_while_microbatches_run(fake_gpu):
+    """vLLM's own dbo_current_ubatch_id() raises KeyError here; the fix must not."""
+    import threading
+
+    from vllm_dsa_dbo.cpu_dbo import run_dbo_step
+
+    stack = SharedTopkStack(LEADERS, num_ubatches=2)
+    group = stack.impls[2].index_group
+    seen = []
+
+    def outsider() -> None:
+        seen.append((stack.impls[2].topk_indices_buffer, group.physical_topk_indices))
+
+    def step(ubatch: int) -> None:
+        if ubatch == 1:
+            thread = threading.Thread(target=outsider)
+            thread.start()
+            thread.join()
+
+    run_dbo_step(step)
+    assert seen == [(stack.buffer, group.__dict__["physical_topk_indices"])]
