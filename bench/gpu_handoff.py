@@ -58,7 +58,7 @@ def measure_phase(phase: str) -> dict:
             finally:
                 torch.cuda.set_sync_debug_mode("default")
             torch.cuda.synchronize()
-        reads = [stack._classify(layer, u, *raw[layer, u]) for layer, u in sorted(raw)]
+        reads = stack.classify(raw)
         kernels = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
         result.update(
             host_syncs=0,  # any sync in the step would have raised above

@@ -187,8 +187,7 @@ class SharedTopkStack:
         """One DBO step: every layer in both microbatches, yielding after each
         layer from `yield_from_layer` on (the MoE layers' dispatch/combine).
         `stream`: a real CUDA compute stream, else the CPU stand-in."""
-        raw = self.run_reads(yield_from_layer, stream)
-        return [self._classify(layer, u, *raw[layer, u]) for layer, u in sorted(raw)]
+        return self.classify(self.run_reads(yield_from_layer, stream))
 
     def run_reads(
         self, yield_from_layer: int = 0, stream: object = None
@@ -210,22 +209,30 @@ class SharedTopkStack:
         cpu_dbo.run_dbo_step(step, stream=stream)
         return raw
 
-    def _classify(self, layer, ubatch, logical, physical, counts) -> Read:
-        sources = [Source(u, i) for u in (0, 1) for i, leads in enumerate(self.leaders) if leads]
+    def classify(self, raw: dict[tuple[int, int], tuple[torch.Tensor, ...]]) -> list[Read]:
+        """Whose write each read of `run_reads` matches, bit for bit."""
+        written = {
+            Source(u, i): (logical, *physical_topk(Source(u, i), self.device))
+            for (u, i), logical in self.inputs.items()
+        }
 
-        def match(candidates, ok) -> Source | None:
-            return next((s for s in candidates if ok(s)), None)
+        def match(read: tuple[torch.Tensor, ...], part: slice) -> Source | None:
+            return next(
+                (s for s, w in written.items() if all(map(_same, read[part], w[part]))),
+                None,
+            )
 
-        return Read(
-            layer=layer,
-            ubatch=ubatch,
-            expected=Source(ubatch, self.leader_of(layer)),
-            logical=match(sources, lambda s: _same(logical, logical_topk(s, self.device))),
-            physical=match(
-                sources,
-                lambda s: all(map(_same, (physical, counts), physical_topk(s, self.device))),
-            ),
-        )
+        return [
+            Read(
+                layer=layer,
+                ubatch=u,
+                expected=Source(u, self.leader_of(layer)),
+                logical=match(raw[layer, u], slice(0, 1)),
+                # the converted rows and their valid counts
+                physical=match(raw[layer, u], slice(1, 3)),
+            )
+            for layer, u in sorted(raw)
+        ]
 
 
 def _same(read: torch.Tensor, written: torch.Tensor) -> bool:
