@@ -107,6 +107,11 @@ class IsolationChecker:
 CHECKER: IsolationChecker | None = None
 
 
+def _state(group: Any) -> Any:
+    """The state this microbatch uses: the fix's copy, or stock vLLM's one."""
+    return group._topk_state() if hasattr(group, "_topk_state") else group
+
+
 def install(mode: str) -> IsolationChecker:
     """Wrap the hand-off points; once per process."""
     global CHECKER
@@ -124,9 +129,10 @@ def install(mode: str) -> IsolationChecker:
         stock_record(self)
         group = self.index_group
         if group is not None and group.has_indexer and self.index_group_index == 0:
-            state = group._topk_state() if hasattr(group, "_topk_state") else group
             checker.write(
-                checker.layer(group, 0), self.topk_indices_buffer, state.logical_topk_ready
+                checker.layer(group, 0),
+                self.topk_indices_buffer,
+                _state(group).logical_topk_ready,
             )
 
     mixin = sparse_mla_attention.SharedTopkIndicesBuffer
@@ -144,8 +150,7 @@ def install(mode: str) -> IsolationChecker:
     stock_convert = group_cls._convert_once
 
     def _convert_once(self: Any, layer_index: int, logical_topk_indices: Any, *args: Any, **kwargs: Any) -> Any:
-        # The state this microbatch uses: the fix's copy, or stock vLLM's one.
-        state = self._topk_state() if hasattr(self, "_topk_state") else self
+        state = _state(self)
         cached = logical_topk_indices.shape[0] <= state.physical_topk_indices.shape[0]
         if cached and layer_index > 0:
             layer = checker.layer(self, layer_index)
