@@ -11,7 +11,7 @@ from importlib.metadata import PackageNotFoundError, entry_points, version
 from pathlib import Path
 
 from vllm_dsa_dbo import DISABLE_ENV, SUPPORTED_VLLM, disabled_by_env, is_supported_vllm
-from vllm_dsa_dbo.layout import group_sizes, leader_mask
+from vllm_dsa_dbo.layout import groups_with_followers, leader_mask
 
 ENTRY_POINT_GROUP = "vllm.general_plugins"
 ENTRY_POINT_NAME = "dsa_dbo"
@@ -133,8 +133,7 @@ def memory(args: argparse.Namespace) -> int:
 
     source, config = load_config(args)
     leaders = leader_mask(config)
-    sizes = group_sizes(leaders)
-    followed = sum(size > 1 for size in sizes)
+    followed = groups_with_followers(leaders)
     max_decode_rows = min(
         args.max_num_batched_tokens, args.max_num_seqs * (1 + args.num_speculative_tokens)
     )
