@@ -43,12 +43,8 @@ def measure(stack) -> dict[str, float]:
         "attention.topk_indices_buffer (leader writer)": ns_per_access(
             lambda: stack.attns[1].topk_indices_buffer
         ),
+        # Every read of the group's state resolves the microbatch's copy.
         "group.physical_topk_indices": ns_per_access(lambda: group.physical_topk_indices),
-        # A group method call that resolves the state and returns at once
-        # (a follower's set_logical_topk_ready): the per-call state lookup.
-        "group.set_logical_topk_ready (follower)": ns_per_access(
-            lambda: group.set_logical_topk_ready(1)
-        ),
     }
 
 
