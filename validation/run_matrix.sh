@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Run named harness configurations on 2 GPUs, LANES (default 2) at a time.
 #   validation/run_matrix.sh OUTDIR NAME ... (names from the table below)
-# Each NAME writes OUTDIR/NAME.json and OUTDIR/NAME.log.
+# Each NAME writes OUTDIR/NAME.json and OUTDIR/NAME.log. chk_* runs have the
+# isolation checker on (audit), perf_* runs time microbatched forwards
+# (120 tokens each, so 100+ microbatched decode steps per worker).
 set -uo pipefail
 . /tmp/gpu/env.sh
 out="$1"; shift
@@ -33,6 +35,12 @@ spec() {  # NAME -> "freq fix mode dbo-args"
     freq1_off)          echo "1 on eager" ;;
     freq1_on_stock)     echo "1 off eager --dbo" ;;
     freq1_on_fix)       echo "1 on eager --dbo" ;;
+    chk_off)            echo "4 on eager --max-tokens 120" ;;
+    chk_off_b)          echo "4 off eager --max-tokens 120" ;;
+    chk_on_stock|perf_on_stock)    echo "4 off eager --dbo --max-tokens 120" ;;
+    chk_on_fix|perf_on_fix)        echo "4 on eager --dbo --max-tokens 120" ;;
+    chk_graph_on_stock|perf_graph_on_stock)  echo "4 off graph --dbo --max-tokens 120" ;;
+    chk_graph_on_fix|perf_graph_on_fix)      echo "4 on graph --dbo --max-tokens 120" ;;
     *) echo "unknown run $1" >&2; return 1 ;;
   esac
 }
@@ -41,8 +49,11 @@ one() {
   local name="$1" freq fix mode rest
   read -r freq fix mode rest <<< "$(spec "$name")" || return 1
   local disable=""; [ "$fix" = off ] && disable=1
+  local check="" measure=""
+  case "$name" in chk_*) check=audit ;; perf_*) measure=1 ;; esac
   local t0=$SECONDS
-  VLLM_DSA_DBO_DISABLE="$disable" timeout 420 python -m dsa_dbo_harness.run \
+  VLLM_DSA_DBO_DISABLE="$disable" VLLM_DSA_DBO_CHECK="$check" VLLM_DSA_DBO_HARNESS_MEASURE="$measure" \
+    timeout 420 python -m dsa_dbo_harness.run \
     --model "$models/freq$freq" --mode "$mode" $rest \
     --gpu-memory-utilization "${GPU_UTIL:-0.35}" --out "$out/$name.json" > "$out/$name.log" 2>&1
   echo "$name rc=$? $((SECONDS - t0))s $(grep -h '^WROTE' "$out/$name.log" | cut -c1-300)"

@@ -5,8 +5,11 @@ that yields. DeepEP and NIXL are not installable here; the naive
 all-gather/reduce-scatter prepare/finalize yields to the peer microbatch
 around its collectives, and vLLM already runs it under DBO on ROCm. Two CUDA
 gates keep it off; with `VLLM_DSA_DBO_HARNESS=1` this plugin lifts them in
-every vLLM process, and counts microbatched steps in each worker. It is never
-installed with the product.
+every vLLM process, re-initialises `--load-format dummy` weights so outputs
+depend on attention, and counts microbatched steps in each worker (logged, for
+`vllm serve`, and read back through `collective_rpc`). With
+`VLLM_DSA_DBO_HARNESS_MEASURE=1` it also times microbatched forwards and
+profiles one. It is never installed with the product.
 """
 
 from __future__ import annotations
@@ -14,13 +17,21 @@ from __future__ import annotations
 import inspect
 import os
 import textwrap
+import time
+import warnings
 from collections import Counter
 from contextlib import contextmanager
 
 ENABLE_ENV = "VLLM_DSA_DBO_HARNESS"
+MEASURE_ENV = "VLLM_DSA_DBO_HARNESS_MEASURE"
+# The microbatched forward (counted from `start_measuring`) that is profiled.
+PROFILED_FORWARD = 20
+LOG_EVERY = 50
 
-# Per process: microbatched forwards by kind, read back through collective_rpc.
+# Per process, read back through collective_rpc: microbatched forwards by kind,
+# and with MEASURE_ENV the measurements below.
 COUNTS: Counter[str] = Counter()
+MEASURED: dict = {"from_call": None, "seconds": [], "profile": None}
 
 
 def register() -> None:
@@ -32,6 +43,7 @@ def register() -> None:
         return
     _allow_naive_all2all_under_dbo(config_module)
     _naive_prepare_finalize_yields()
+    _reinit_dummy_weights()
     _count_microbatched_steps()
     config_module._dsa_dbo_harness = True
 
@@ -86,6 +98,62 @@ def _naive_prepare_finalize_yields() -> None:
     cls._comm_region = _comm_region
 
 
+def _reinit_dummy_weights() -> None:
+    from vllm.model_executor.model_loader.dummy_loader import DummyModelLoader
+
+    from dsa_dbo_harness.model import reinit_weights
+
+    stock = DummyModelLoader.load_weights
+
+    def load_weights(self, model, model_config):
+        stock(self, model, model_config)
+        COUNTS["reinitialised_params"] = reinit_weights(model)
+
+    DummyModelLoader.load_weights = load_weights
+
+
+def start_measuring(worker) -> None:
+    """Measure from the next microbatched forward on (after startup)."""
+    MEASURED["from_call"] = COUNTS["ubatched_calls"]
+
+
+def _measured(call):
+    """Wall time of one microbatched forward between two device syncs (the
+    syncs are outside it, the same for every run); the PROFILED_FORWARD-th is
+    profiled instead: CUDA kernels launched and synchronizing calls made."""
+    import torch
+
+    index = COUNTS["ubatched_calls"] - MEASURED["from_call"]
+    torch.cuda.synchronize()
+    if index != PROFILED_FORWARD:
+        start = time.perf_counter()
+        out = call()
+        torch.cuda.synchronize()
+        MEASURED["seconds"].append(time.perf_counter() - start)
+        return out
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught, profile(
+            activities=[ProfilerActivity.CUDA]
+        ) as prof:
+            warnings.simplefilter("always")
+            out = call()
+            torch.cuda.synchronize()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    kernels = Counter(e.name for e in prof.events() if e.device_type == DeviceType.CUDA)
+    MEASURED["profile"] = {
+        "forward": index,
+        "cuda_kernels": sum(kernels.values()),
+        "kernels_by_name": dict(kernels),
+        "sync_warnings": sum("synchroniz" in str(w.message) for w in caught),
+    }
+    return out
+
+
 def _count_microbatched_steps() -> None:
     from vllm.v1.worker import ubatching
 
@@ -111,11 +179,22 @@ def _count_microbatched_steps() -> None:
 
     stock_call = wrapper.__call__
 
+    from vllm.logger import init_logger
+
+    logger = init_logger("vllm.dsa_dbo_harness")
+    measure = os.environ.get(MEASURE_ENV) == "1"
+
     def __call__(self, *args, **kwargs):
         from vllm.forward_context import get_forward_context
 
-        if get_forward_context().ubatch_slices is not None:
-            COUNTS["ubatched_calls"] += 1
+        if get_forward_context().ubatch_slices is None:
+            return stock_call(self, *args, **kwargs)
+        COUNTS["ubatched_calls"] += 1
+        calls = COUNTS["ubatched_calls"]
+        if calls == 1 or calls % LOG_EVERY == 0:
+            logger.info("dsa_dbo_harness: %d microbatched forwards", calls)
+        if measure and MEASURED["from_call"] is not None:
+            return _measured(lambda: stock_call(self, *args, **kwargs))
         return stock_call(self, *args, **kwargs)
 
     wrapper.__call__ = __call__

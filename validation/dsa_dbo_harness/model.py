@@ -65,17 +65,17 @@ def write_model(directory: Path, index_topk_freq: int) -> Path:
     return directory
 
 
-def reinit_weights(worker) -> int:
+def reinit_weights(model) -> int:
     """Seeded N(0, 0.02) matrices, unit norms, zero other vectors.
 
     `--load-format dummy` fills everything with +-1e-3, which collapses every
     prompt to one repeated token; with these weights attention and the top-k
-    selection decide the output. Same seed on every rank and run.
+    selection decide the output. Same seed on every rank and run; applied
+    before vLLM post-processes the loaded weights, as a checkpoint would be.
     """
     import torch
 
-    model = worker.model_runner.model
-    generator = torch.Generator(device="cuda").manual_seed(1234)
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(1234)
     count = 0
     with torch.no_grad():
         for name, param in model.named_parameters():

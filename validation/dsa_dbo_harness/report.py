@@ -31,6 +31,22 @@ ROWS = [
     ("control: index_topk_freq=1", "DBO on, with the fix", "freq1_off", "freq1_on_fix"),
     ("control: index_topk_freq=1", "DBO on, stock (repeat)", "freq1_off", "mem/freq1_on_stock"),
     ("control: index_topk_freq=1", "DBO on, with the fix (repeat)", "freq1_off", "mem/freq1_on_fix"),
+    ("V1 eager, 120 tokens", "DBO off vs DBO off (second run, fix disabled)", "chk_off", "chk_off_b"),
+    ("V1 eager, 120 tokens", "DBO on, stock, checker on", "chk_off", "chk_on_stock"),
+    ("V1 eager, 120 tokens", "DBO on, with the fix, checker on", "chk_off", "chk_on_fix"),
+    ("V1 eager, 120 tokens", "DBO on, stock, timed", "chk_off", "perf_on_stock"),
+    ("V1 eager, 120 tokens", "DBO on, with the fix, timed", "chk_off", "perf_on_fix"),
+]
+
+
+# Isolation-checker runs (VLLM_DSA_DBO_CHECK=audit): (label, run)
+CHECK_ROWS = [
+    ("V1 eager, DBO off", "chk_off"),
+    ("V1 eager, DBO off, fix disabled", "chk_off_b"),
+    ("V1 eager, DBO on, stock", "chk_on_stock"),
+    ("V1 eager, DBO on, with the fix", "chk_on_fix"),
+    ("V1 FULL_DECODE_ONLY graphs (checked at capture), DBO on, stock", "chk_graph_on_stock"),
+    ("V1 FULL_DECODE_ONLY graphs (checked at capture), DBO on, with the fix", "chk_graph_on_fix"),
 ]
 
 
@@ -58,6 +74,40 @@ def build(runs: Path) -> list[dict]:
     return table
 
 
+def build_checks(runs: Path) -> list[dict]:
+    table = []
+    for label, name in CHECK_ROWS:
+        if not (runs / f"{name}.json").exists():
+            continue
+        run = load(runs, name)
+        checks = [w["isolation_check"] for w in workers(run)]
+        table.append({
+            "label": label,
+            "run": name,
+            "fix_active": all(w["plugin_patched"] for w in workers(run)),
+            "microbatched_forwards_per_worker": microbatched(run),
+            "checked_reads_per_worker": [c["checked_reads"] for c in checks],
+            "violations_per_worker": [c["violations"] for c in checks],
+            "violating_pairs": sorted({p for c in checks for p in c["violating_pairs"]}),
+        })
+    return table
+
+
+def markdown_checks(table: list[dict]) -> str:
+    lines = [
+        "| run | microbatched forwards / worker (generation) | checked reads / worker "
+        "| violations / worker | distinct (writer, reader, state) |",
+        "|---|---|---|---|---|",
+    ]
+    for r in table:
+        lines.append(
+            f"| {r['label']} (`{r['run']}`) | {min(r['microbatched_forwards_per_worker'])} "
+            f"| {', '.join(map(str, r['checked_reads_per_worker']))} "
+            f"| {', '.join(map(str, r['violations_per_worker']))} | {len(r['violating_pairs'])} |"
+        )
+    return "\n".join(lines)
+
+
 def markdown(table: list[dict]) -> str:
     lines = [
         "| mode | run (vs reference) | identical | mean first diff | differ at token 0 "
@@ -81,10 +131,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("runs", type=Path)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
-    table = build(args.runs)
+    table, checks = build(args.runs), build_checks(args.runs)
     if args.json:
-        args.json.write_text(json.dumps(table, indent=1))
+        args.json.write_text(json.dumps({"outputs": table, "isolation_checks": checks}, indent=1))
     print(markdown(table))
+    if checks:
+        print()
+        print(markdown_checks(checks))
     return 0
 
 

@@ -80,12 +80,12 @@ def rank_main(rank: int, args, port: int, results: mp.Queue) -> None:
     )
     from vllm import LLM, SamplingParams
 
-    from dsa_dbo_harness.model import reinit_weights
+    from dsa_dbo_harness import start_measuring
     from dsa_dbo_harness.worker_probe import snapshot
 
     llm = LLM(**engine_kwargs(args))
-    reinitialised = llm.collective_rpc(reinit_weights)
     before = llm.collective_rpc(snapshot)
+    llm.collective_rpc(start_measuring)
     prompts = [{"prompt_token_ids": p} for p in prompts_for_rank(rank, args.prompts)]
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=0, logprobs=1, detokenize=False,
@@ -111,7 +111,7 @@ def rank_main(rank: int, args, port: int, results: mp.Queue) -> None:
             }
         )
     results.put(
-        {"rank": rank, "reinitialised_params": reinitialised, "workers": after,
+        {"rank": rank, "workers": after,
          "generate_seconds": elapsed, "samples": samples}
     )
 

@@ -7,14 +7,23 @@ def snapshot(worker) -> dict:
     import dsa_dbo_harness
     from vllm.v1.attention.backends.mla import index_group
 
+    from vllm_dsa_dbo import isolation
     from vllm_dsa_dbo.ubatch_topk import index_groups, ubatch_topk_bytes
 
     groups = index_groups(worker.model_runner.model)
     # With the fix disabled the groups are vLLM's own, without microbatch state.
     patched = getattr(index_group, "_vllm_dsa_dbo_patched", False)
+    checker = isolation.CHECKER
     return {
         "plugin_patched": patched,
         "counts": dict(dsa_dbo_harness.COUNTS),
+        "measured": dsa_dbo_harness.MEASURED,
+        "isolation_check": None if checker is None else {
+            "mode": checker.mode,
+            "checked_reads": checker.checked_reads,
+            "violations": sum(checker.violations.values()),
+            "violating_pairs": sorted(" -> ".join(k) for k in checker.violations),
+        },
         "index_groups": len(groups),
         "groups_with_followers": sum(bool(g.ubatch_topk_states) for g in groups) if patched else 0,
         "ubatch_topk_bytes": ubatch_topk_bytes(groups) if patched else 0,
