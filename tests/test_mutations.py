@@ -1,6 +1,7 @@
-"""The core test fails when any part of the fix is removed from the source.
+"""The core test (and the HYV4 test for its patches) fails when any part of
+the fix is removed from the source.
 
-Each mutation edits a copy of the package and runs the core test against it
+Each mutation edits a copy of the package and runs its test against it
 in a fresh interpreter, as a reviewer would check it by hand.
 """
 
@@ -20,30 +21,52 @@ REPO = Path(__file__).resolve().parents[1]
 CORE_TEST = (
     "tests/test_dbo_ubatch.py::test_dbo_ubatch_followers_read_their_own_leaders_topk"
 )
+HYV4_TEST = "tests/test_hy_v4.py::test_hy_v4_followers_read_their_own_leaders_topk"
 
 MUTATIONS = {
     "index group always returns microbatch 0's state": (
         "ubatch_topk.py",
         "    if ubatch_id == 0 or not group.ubatch_topk_states:\n",
         "    if True:\n",
+        CORE_TEST,
     ),
     "impl not wired to the per-microbatch logical buffers": (
         "patches/sparse_mla_attention.py",
         '    return resolve_logical_topk(getattr(self, "index_group", None), buffer)\n',
         "    return buffer\n",
+        CORE_TEST,
     ),
     "leader's writers not wired to the impl's buffer": (
         "patches/deepseek_v32_attention.py",
         "    target.DeepseekV32Attention.topk_indices_buffer = property(_get, _set)\n",
         "    pass\n",
+        CORE_TEST,
+    ),
+    "HYV4 indexer op left as vLLM's": (
+        "patches/hy_v4_attention.py",
+        "    target.SparseAttnIndexer = SparseAttnIndexer\n",
+        "    pass\n",
+        HYV4_TEST,
+    ),
+    "HYV4 indexer op writes microbatch 0's buffer": (
+        "patches/hy_v4_attention.py",
+        "    return resolve_logical_topk(self.index_group, self._topk_indices_buffer)\n",
+        "    return self._topk_indices_buffer\n",
+        HYV4_TEST,
+    ),
+    "HYV4 model not wired": (
+        "patches/hy_v4_model.py",
+        "        keep_logical_topk_per_ubatch(self)\n",
+        "        pass\n",
+        HYV4_TEST,
     ),
 }
 
 
-def run_core_test(package_root: Path) -> subprocess.CompletedProcess:
+def run_test(package_root: Path, test: str = CORE_TEST) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(package_root)}
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", CORE_TEST],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -58,21 +81,22 @@ def copy_package(root: Path) -> Path:
     return copy
 
 
-def test_core_test_passes_on_unmutated_copy(tmp_path):
+@pytest.mark.parametrize("test", [CORE_TEST, HYV4_TEST])
+def test_core_test_passes_on_unmutated_copy(test, tmp_path):
     copy_package(tmp_path)
-    result = run_core_test(tmp_path)
+    result = run_test(tmp_path, test)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
 
 @pytest.mark.parametrize("name", MUTATIONS)
 def test_core_test_fails_under_mutation(name, tmp_path):
-    path, old, new = MUTATIONS[name]
+    path, old, new, test = MUTATIONS[name]
     target = copy_package(tmp_path) / path
     source = target.read_text()
     assert source.count(old) == 1, f"mutation site for {name!r} moved"
     target.write_text(source.replace(old, new))
 
-    result = run_core_test(tmp_path)
+    result = run_test(tmp_path, test)
 
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
     assert "AssertionError" in result.stdout

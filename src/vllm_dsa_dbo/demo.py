@@ -67,9 +67,13 @@ class Read:
 
 
 def make_impl(
-    builder: SparseMLAIndexGroupBuilder, buffer: torch.Tensor, leads: bool
+    builder: SparseMLAIndexGroupBuilder | None,
+    buffer: torch.Tensor,
+    leads: bool,
+    indexer: object | None = None,
 ) -> SparseMLACommonImpl:
-    """A real sparse MLA impl registered in `builder` as the model's layers are."""
+    """A real sparse MLA impl registered in `builder` as the model's layers are
+    (no builder: the impl builds a private group, as HYV4's layers do)."""
     return SparseMLACommonImpl(
         num_heads=1,
         head_size=576,
@@ -89,7 +93,7 @@ def make_impl(
         v_head_dim=128,
         kv_b_proj=None,
         # Leaders own an indexer; the impl then resolves the buffer through it.
-        indexer=SimpleNamespace(topk_indices_buffer=buffer) if leads else None,
+        indexer=indexer or (SimpleNamespace(topk_indices_buffer=buffer) if leads else None),
         topk_indices_buffer=buffer,
         index_group_builder=builder,
     )
@@ -137,6 +141,20 @@ def physical_topk(source: Source, device: str = "cpu") -> tuple[torch.Tensor, to
     )
 
 
+def step_inputs(
+    leaders: list[bool], device: str = "cpu"
+) -> tuple[dict[tuple[int, int], torch.Tensor], list[SimpleNamespace]]:
+    """Every leader's top-k and the metadata per microbatch, on the device up
+    front: the step itself copies nothing in."""
+    inputs = {
+        (u, i): logical_topk(Source(u, i), device)
+        for u in (0, 1)
+        for i, leads in enumerate(leaders)
+        if leads
+    }
+    return inputs, [metadata(u, device) for u in (0, 1)]
+
+
 class SharedTopkStack:
     """Sparse MLA layers sharing one top-k builder, as `DeepseekV32Model` builds them.
 
@@ -159,14 +177,7 @@ class SharedTopkStack:
             attention_module(impl, self.buffer) if leads else None
             for impl, leads in zip(self.impls, leaders)
         ]
-        # Inputs on the device up front: the step itself copies nothing in.
-        self.inputs = {
-            (u, i): logical_topk(Source(u, i), device)
-            for u in (0, 1)
-            for i, leads in enumerate(leaders)
-            if leads
-        }
-        self.metadata = [metadata(u, device) for u in (0, 1)]
+        self.inputs, self.metadata = step_inputs(leaders, device)
 
     def leader_of(self, layer: int) -> int:
         return max(i for i in range(layer + 1) if self.leaders[i])
@@ -183,6 +194,12 @@ class SharedTopkStack:
         )
         return logical.clone(), physical.clone(), counts.clone()
 
+    def lead(self, layer: int, logical: torch.Tensor) -> None:
+        """A leader's writes, into the buffer its attention module hands
+        fused_norm_rope and sparse_attn_indexer, then its ready event."""
+        self.attns[layer].topk_indices_buffer[: logical.shape[0]] = logical
+        self.impls[layer].record_logical_topk_ready()
+
     def run_step(self, yield_from_layer: int = 0, stream: object = None) -> list[Read]:
         """One DBO step: every layer in both microbatches, yielding after each
         layer from `yield_from_layer` on (the MoE layers' dispatch/combine).
@@ -196,12 +213,9 @@ class SharedTopkStack:
         raw: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
 
         def step(ubatch: int) -> None:
-            for layer, attn in enumerate(self.attns):
-                if attn is not None:
-                    logical = self.inputs[ubatch, layer]
-                    # fused_norm_rope and sparse_attn_indexer write here.
-                    attn.topk_indices_buffer[: logical.shape[0]] = logical
-                    self.impls[layer].record_logical_topk_ready()
+            for layer, leads in enumerate(self.leaders):
+                if leads:
+                    self.lead(layer, self.inputs[ubatch, layer])
                 raw[layer, ubatch] = self._read(layer, ubatch)
                 if layer >= yield_from_layer:
                     dbo_yield()

@@ -130,8 +130,27 @@ def add_follower_state(builder: Any, group: Any) -> None:
     builder.follower_groups.append(group)
     if not builder.ubatch_logical_topk_indices:
         builder.ubatch_logical_topk_indices.extend(
-            torch.empty_like(builder.logical_topk_indices) for _ in range(num_extra)
+            new_ubatch_logical_topk(builder.logical_topk_indices, num_extra)
         )
+
+
+def new_ubatch_logical_topk(buffer: torch.Tensor, num_extra: int) -> list[torch.Tensor]:
+    """One logical buffer shaped like microbatch 0's per extra microbatch."""
+    return [torch.empty_like(buffer) for _ in range(num_extra)]
+
+
+def share_ubatch_logical_topk(groups: list[Any]) -> None:
+    """Per-microbatch logical top-k for single-layer groups of one shared buffer.
+
+    Models whose layers each build a private group (HYV4) hand only the
+    logical buffer from layer to layer: each group converts and reads its
+    physical top-k within one layer, so it needs no copies. The caller has
+    wired every leader's writer to its group.
+    """
+    extra = new_ubatch_logical_topk(groups[0].logical_topk_indices, groups[0].num_ubatches - 1)
+    for group in groups:
+        group.ubatch_logical_topk_indices = extra
+        group.leader_writes_follow_impl = True
 
 
 def index_groups(model: torch.nn.Module) -> list[Any]:
@@ -144,19 +163,25 @@ def index_groups(model: torch.nn.Module) -> list[Any]:
     return list(groups.values())
 
 
+def reads_another_layers_topk(group: Any) -> bool:
+    """A group with followers, or a follower's group of its own."""
+    return group.num_layers > 1 or not group.has_indexer
+
+
 def shares_topk_across_ubatches(group: Any) -> bool:
     """Whether, under DBO, a layer of `group` would read a top-k that another
     layer wrote into state the microbatches share.
 
     That is a group with followers, or a follower with a group of its own
-    (models whose layers build private groups, like the ROCm DSA path), that
-    runs with several microbatches and lacks per-microbatch copies wired to
-    its leader's writers.
+    (models whose layers build private groups, like HYV4 and the ROCm DSA
+    path), that runs with several microbatches and lacks per-microbatch
+    copies wired to its leader's writers: the logical buffer, and for a
+    group with followers also its physical state.
     """
-    reads_another_layers_topk = group.num_layers > 1 or not group.has_indexer
-    if group.num_ubatches < 2 or not reads_another_layers_topk:
+    if group.num_ubatches < 2 or not reads_another_layers_topk(group):
         return False
-    return not (group.ubatch_topk_states and group.leader_writes_follow_impl)
+    copied = group.ubatch_topk_states if group.num_layers > 1 else group.ubatch_logical_topk_indices
+    return not (copied and group.leader_writes_follow_impl)
 
 
 def ubatch_topk_bytes(groups: list[Any]) -> int:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
 from types import ModuleType
 from typing import Any
 
 from vllm_dsa_dbo.patches import Patch
 from vllm_dsa_dbo.ubatch_topk import (
     index_groups,
+    reads_another_layers_topk,
     shares_topk_across_ubatches,
     ubatch_topk_bytes,
 )
@@ -17,35 +19,65 @@ PATCH = Patch(
     why=(
         "An operator cannot see from the logs whether the fix is active for a model "
         "or what it costs; and models whose leaders write the top-k outside "
-        "DeepseekV32Attention (the deepseek_v2 / glm4_moe_lite DSA path), or whose "
-        "followers build private index groups (ROCm DSA, HYV4), would still share "
-        "it between microbatches."
+        "DeepseekV32Attention and HYV4's indexer op (the deepseek_v2 / "
+        "glm4_moe_lite DSA path), or whose followers build private index groups "
+        "that nothing wires (ROCm DSA, HYV4 on ROCm), would still share it "
+        "between microbatches."
     ),
     how=(
         "Wraps the loader's initialize_model: after a model is built, each worker "
         "refuses, under DBO, a model whose followers would read shared top-k "
-        "state (leaders not wired to the per-microbatch buffers, or followers in "
-        "private groups), else logs one INFO line with the microbatch "
+        "state (leaders not wired to the per-microbatch buffers, followers in "
+        "private groups nothing wired, or DeepSeek-V4.1 / MiniMax-M3 ROCm "
+        "cross-layer index buffers), else logs one INFO line with the microbatch "
         "count, the index groups with followers and the bytes allocated, and "
         "nothing when nothing was allocated."
     ),
     upstream=(
-        "none for the log line; the refusal stands in for the deepseek_v2 path, "
-        "which PR #60734 leaves unfixed"
+        "none for the log line; the refusals stand in for fixes PR #60734 does "
+        "not make (the deepseek_v2 path, ROCm DSA) and for PR #56476 (DeepSeek-V4.1)"
     ),
     remove_when="with the other patches (the vLLM release that merges PR #60734)",
 )
 
 
-def check_wired(model: Any) -> None:
+def hands_topk_outside_index_groups(module: Any) -> bool:
+    """A layer that reads top-k state another layer wrote, outside vLLM's
+    index groups, in a model-wide buffer the microbatches share.
+
+    DeepSeek-V4.1: a layer that is no index source reuses an index source's
+    top-k, and indexers mask their scores with the candidate blocks of
+    `candidate_source_layer_id` (vllm PR #56476). MiniMax-M3 on ROCm with
+    `use_index_cache`: a `skip_index_topk` layer reuses the previous one's.
+    """
+    source = getattr(module, "index_source_layer_id", None)
+    return (
+        getattr(module, "skip_index_topk", False) is True
+        or getattr(module, "candidate_block_buffer", None) is not None
+        or (source is not None and source != getattr(module, "layer_id", source))
+    )
+
+
+def check_wired(model: Any, num_ubatches: int = 1) -> None:
     """Refuse DBO for a model whose leaders write the shared top-k elsewhere."""
+    if num_ubatches > 1 and any(hands_topk_outside_index_groups(m) for m in model.modules()):
+        raise ValueError(
+            f"vllm-dsa-dbo: {type(model).__name__} hands top-k (or candidate blocks) "
+            "from one layer to later layers in buffers that are not index groups "
+            "(DeepSeek-V4.1 index_source_layer_ids / candidate_source_layer_id, "
+            "MiniMax-M3 use_index_cache on ROCm), which the plugin does not keep "
+            "per microbatch. With dual batch overlap those layers would read the "
+            "other microbatch's selection. Drop --enable-dbo (and --ubatch-size) "
+            "for this model."
+        )
     if any(shares_topk_across_ubatches(g) for g in index_groups(model)):
         raise ValueError(
             f"vllm-dsa-dbo: {type(model).__name__} shares top-k between layers "
             "(index_topk_freq > 1 or an index_topk_pattern), but on this code path "
             "its leader layers write the top-k without going through the "
             "per-microbatch buffers (only vLLM's CUDA DeepSeek-V3.2 / GLM-5 "
-            "path, vllm/models/deepseek_v32/nvidia, is covered). With dual batch "
+            "and HYV4 paths, vllm/models/deepseek_v32/nvidia and "
+            "vllm/models/hy_v4/nvidia, are covered). With dual batch "
             "overlap its followers would read the other microbatch's top-k. "
             "Drop --enable-dbo (and --ubatch-size) for this model."
         )
@@ -53,28 +85,32 @@ def check_wired(model: Any) -> None:
 
 def describe(model: Any) -> str | None:
     """The startup line for `model`, or None when the fix allocated nothing."""
-    followed = [g for g in index_groups(model) if g.ubatch_topk_states]
-    if not followed:
+    copied = [g for g in index_groups(model) if g.ubatch_logical_topk_indices]
+    if not copied:
         return None
-    allocated = ubatch_topk_bytes(followed)
+    followed = [g for g in copied if reads_another_layers_topk(g)]
+    allocated = ubatch_topk_bytes(copied)
     return (
         f"vllm-dsa-dbo: {type(model).__name__} keeps shared top-k per DBO microbatch: "
-        f"{len(followed[0].ubatch_topk_states) + 1} microbatches, {len(followed)} index "
+        f"{len(copied[0].ubatch_logical_topk_indices) + 1} microbatches, {len(followed)} index "
         f"groups with followers, {allocated:,} bytes ({allocated / 2**20:.1f} MiB) allocated"
     )
 
 
 def apply(target: ModuleType) -> None:
     from vllm.logger import init_logger
+    from vllm.v1.worker.ubatch_utils import get_num_ubatches
 
     from vllm_dsa_dbo import LOGGER_NAME
 
     logger = init_logger(LOGGER_NAME)
     stock = target.initialize_model
+    signature = inspect.signature(stock)
 
     def initialize_model(*args: Any, **kwargs: Any) -> Any:
         model = stock(*args, **kwargs)
-        check_wired(model)
+        vllm_config = signature.bind(*args, **kwargs).arguments["vllm_config"]
+        check_wired(model, get_num_ubatches(vllm_config.parallel_config))
         line = describe(model)
         if line is not None:
             logger.info(line)

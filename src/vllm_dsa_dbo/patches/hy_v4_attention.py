@@ -1,0 +1,46 @@
+"""Patch of `vllm.models.hy_v4.nvidia.attention`."""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+from vllm_dsa_dbo.patches import Patch
+from vllm_dsa_dbo.ubatch_topk import resolve_logical_topk
+
+PATCH = Patch(
+    target="vllm.models.hy_v4.nvidia.attention",
+    why=(
+        "A HYV4 leader's Indexer builds a SparseAttnIndexer op holding the "
+        "model-wide logical top-k buffer, and the op hands that one tensor to "
+        "torch.ops.vllm.sparse_attn_indexer in every microbatch, while the "
+        "followers read through their impls."
+    ),
+    how=(
+        "The module's SparseAttnIndexer becomes a subclass whose "
+        "topk_indices_buffer resolves through the layer's index group as the "
+        "sparse MLA impl's does: the op writes the calling microbatch's logical "
+        "buffer once hy_v4_model has set its index_group, and vLLM's buffer "
+        "otherwise (unwired models, MTP drafts)."
+    ),
+    upstream="none: vllm PR #60734 fixes only the deepseek_v32 path",
+    remove_when="the vLLM release whose HYV4 keeps its logical top-k per DBO microbatch",
+)
+
+
+def _get(self: Any) -> Any:
+    return resolve_logical_topk(self.index_group, self._topk_indices_buffer)
+
+
+def _set(self: Any, buffer: Any) -> None:
+    self._topk_indices_buffer = buffer
+
+
+def apply(target: ModuleType) -> None:
+    class SparseAttnIndexer(target.SparseAttnIndexer):
+        """vLLM's indexer op, writing its index group's microbatch copy."""
+
+        index_group = None
+        topk_indices_buffer = property(_get, _set)
+
+    target.SparseAttnIndexer = SparseAttnIndexer

@@ -1,0 +1,94 @@
+"""Models that hand top-k between layers outside vLLM's index groups are
+refused under DBO at model load: DeepSeek-V4.1 (index sources, candidate
+blocks) and MiniMax-M3 on ROCm with use_index_cache.
+
+Their attention layers cannot be built on a CPU; each stand-in layer carries
+the attribute the real layer sets, decided by vLLM's own rule where it has one.
+The model is built through the loader's initialize_model, as a worker does.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn as nn
+
+MINIMAX_M3_INDEX_CACHE = SimpleNamespace(
+    use_index_cache=True,
+    index_topk_freq=2,
+    sparse_attention_config={"sparse_attention_freq": [1, 1, 1]},
+)
+
+MINIMAX_M3_NO_INDEX_CACHE = SimpleNamespace(**{**vars(MINIMAX_M3_INDEX_CACHE), "use_index_cache": False})
+
+
+def minimax_m3_layer(layer_id: int, config: SimpleNamespace) -> nn.Module:
+    from vllm.models.minimax_m3.amd.model import _should_skip_index_topk
+
+    layer = nn.Module()
+    layer.skip_index_topk = _should_skip_index_topk(config, layer_id)
+    return layer
+
+
+def deepseek_v41_layer(layer_id: int, index_sources: tuple[int, ...], candidates: bool) -> nn.Module:
+    """`DeepseekV4Attention`'s topology attributes for a compressed layer."""
+    layer = nn.Module()
+    layer.layer_id = layer_id
+    layer.index_source_layer_id = max(s for s in index_sources if s <= layer_id)
+    layer.candidate_block_buffer = torch.empty(4, 2, dtype=torch.int32) if candidates else None
+    return layer
+
+
+MODELS = {
+    "minimax_m3 index cache": (
+        lambda: [minimax_m3_layer(i, MINIMAX_M3_INDEX_CACHE) for i in range(3)],
+        True,
+    ),
+    "minimax_m3 without index cache": (
+        lambda: [minimax_m3_layer(i, MINIMAX_M3_NO_INDEX_CACHE) for i in range(3)],
+        False,
+    ),
+    "deepseek_v41 index sharing": (
+        lambda: [deepseek_v41_layer(i, (0, 2), False) for i in range(3)],
+        True,
+    ),
+    "deepseek_v41 candidate blocks": (
+        lambda: [deepseek_v41_layer(i, (0, 1, 2), True) for i in range(3)],
+        True,
+    ),
+    "deepseek_v41 every layer its own index source": (
+        lambda: [deepseek_v41_layer(i, (0, 1, 2), False) for i in range(3)],
+        False,
+    ),
+}
+
+
+def load(vllm_env, monkeypatch, layers, enable_dbo: bool) -> nn.Module:
+    """The model built by the loader's (patched) initialize_model."""
+    from vllm.model_executor.model_loader import base_loader
+
+    class Model(nn.Module):
+        def __init__(self, *, vllm_config, prefix: str = "") -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(layers())
+
+    from vllm.config import CompilationMode
+
+    monkeypatch.setattr(vllm_env.parallel_config, "enable_dbo", enable_dbo)
+    monkeypatch.setattr(vllm_env.compilation_config, "mode", CompilationMode.NONE)
+    return base_loader.initialize_model(
+        vllm_env, model_class=Model, model_config=SimpleNamespace(hf_config=None)
+    )
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_cross_layer_topk_outside_index_groups_refused_under_dbo(vllm_env, monkeypatch, name):
+    layers, refused = MODELS[name]
+    load(vllm_env, monkeypatch, layers, enable_dbo=False)
+    if refused:
+        with pytest.raises(ValueError, match="Drop --enable-dbo"):
+            load(vllm_env, monkeypatch, layers, enable_dbo=True)
+    else:
+        load(vllm_env, monkeypatch, layers, enable_dbo=True)
