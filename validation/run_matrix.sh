@@ -13,12 +13,13 @@ models="${MODELS:-/tmp/dsa-dbo-models}"
 python - "$models" <<'PY'
 import sys
 from pathlib import Path
-from dsa_dbo_harness.model import write_model
+from dsa_dbo_harness.model import write_hy_v4_model, write_model
 for freq in (1, 4):
     write_model(Path(sys.argv[1]) / f"freq{freq}", freq)
+write_hy_v4_model(Path(sys.argv[1]) / "hy_v4", 4)
 PY
 
-spec() {  # NAME -> "freq fix mode dbo-args"
+spec() {  # NAME -> "model fix mode dbo-args"; a number N as model means freqN
   case "$1" in
     off_a|off_b)        echo "4 on eager" ;;
     off_stock)          echo "4 off eager" ;;
@@ -41,20 +42,25 @@ spec() {  # NAME -> "freq fix mode dbo-args"
     chk_on_fix|perf_on_fix)        echo "4 on eager --dbo --max-tokens 120" ;;
     chk_graph_on_stock|perf_graph_on_stock)  echo "4 off graph --dbo --max-tokens 120" ;;
     chk_graph_on_fix|perf_graph_on_fix)      echo "4 on graph --dbo --max-tokens 120" ;;
+    hy_off)             echo "hy_v4 on eager" ;;
+    hy_off_b)           echo "hy_v4 off eager" ;;
+    hy_on_stock)        echo "hy_v4 off eager --dbo" ;;
+    hy_on_fix)          echo "hy_v4 on eager --dbo" ;;
     *) echo "unknown run $1" >&2; return 1 ;;
   esac
 }
 
 one() {
-  local name="$1" freq fix mode rest
-  read -r freq fix mode rest <<< "$(spec "$name")" || return 1
+  local name="$1" model fix mode rest
+  read -r model fix mode rest <<< "$(spec "$name")" || return 1
+  case "$model" in [0-9]*) model="freq$model" ;; esac
   local disable=""; [ "$fix" = off ] && disable=1
   local check="" measure=""
   case "$name" in chk_*) check=audit ;; perf_*) measure=1 ;; esac
   local t0=$SECONDS
   VLLM_DSA_DBO_DISABLE="$disable" VLLM_DSA_DBO_CHECK="$check" VLLM_DSA_DBO_HARNESS_MEASURE="$measure" \
-    timeout 420 python -m dsa_dbo_harness.run \
-    --model "$models/freq$freq" --mode "$mode" $rest \
+    timeout "${RUN_TIMEOUT:-420}" python -m dsa_dbo_harness.run \
+    --model "$models/$model" --mode "$mode" $rest \
     --gpu-memory-utilization "${GPU_UTIL:-0.35}" --out "$out/$name.json" > "$out/$name.log" 2>&1
   echo "$name rc=$? $((SECONDS - t0))s $(grep -h '^WROTE' "$out/$name.log" | cut -c1-300)"
   grep -hE "Error|error:|Traceback" "$out/$name.log" | grep -v "^W1130" | tail -3

@@ -216,17 +216,37 @@ def demo(args: argparse.Namespace) -> int:
 # ab -------------------------------------------------------------------------
 
 
+def ab_runs(args: argparse.Namespace) -> list:
+    """The runs to compare, reference first: lm_eval folders or live endpoints."""
+    from vllm_dsa_dbo.ab import endpoint_runs, load_samples, prompts, read_docs
+
+    if not args.endpoints:
+        if len(args.runs) < 2:
+            raise UsageError("give two or more lm_eval output folders, or --endpoints")
+        for folder in args.runs:
+            if not Path(folder).is_dir():
+                raise UsageError(f"{folder} is not a folder")
+        return [load_samples(Path(folder), args.task, args.metric) for folder in args.runs]
+    if args.runs:
+        raise UsageError("give lm_eval folders or --endpoints, not both")
+    if len(args.endpoints) < 2 or args.questions is None:
+        raise UsageError("--endpoints needs two or more URLs and --questions")
+    if args.num_fewshot and args.fewshot is None:
+        raise UsageError("--num-fewshot needs --fewshot")
+    docs = read_docs(args.questions)
+    shots = read_docs(args.fewshot) if args.num_fewshot else []
+    texts = prompts(docs, shots, args.num_fewshot)
+    return endpoint_runs(args.endpoints, docs, texts, args.max_tokens, args.concurrency, args.model)
+
+
 def ab(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
-    from vllm_dsa_dbo.ab import SamplesError, compare, table
+    from vllm_dsa_dbo.ab import ABError, compare, table
 
-    for folder in [args.reference, *args.runs]:
-        if not Path(folder).is_dir():
-            raise UsageError(f"{folder} is not a folder")
     try:
-        rows = compare(Path(args.reference), [Path(r) for r in args.runs], args.task, args.metric)
-    except SamplesError as e:
+        rows = compare(ab_runs(args))
+    except ABError as e:
         raise UsageError(str(e)) from None
     if args.json:
         print(json.dumps([{**asdict(r), "mcnemar_z": r.mcnemar_z} for r in rows], indent=1))
@@ -266,12 +286,31 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "ab",
-        help="question-by-question A/B of lm_eval --log_samples folders (lost/gained, McNemar z)",
+        help="question-by-question A/B of lm_eval --log_samples folders or of live "
+        "OpenAI-compatible endpoints (lost/gained, McNemar z, identical responses)",
+        description="The first run (folder or endpoint) is the reference, e.g. DBO off.",
     )
-    p.add_argument("reference", help="lm_eval output folder of the reference run (e.g. DBO off)")
-    p.add_argument("runs", nargs="+", help="lm_eval output folders to compare with it")
+    p.add_argument("runs", nargs="*", metavar="RUN", help="lm_eval --log_samples output folder")
     p.add_argument("--task", default="gsm8k", help="task name in samples_<task>_*.jsonl")
     p.add_argument("--metric", default="exact_match", help="per-sample metric; 1 means right")
+    live = p.add_argument_group(
+        "endpoints",
+        "send GSM8K-format questions to each endpoint as lm_eval's gsm8k task does "
+        "(greedy /v1/completions, stop at 'Question:') and score them the same way",
+    )
+    live.add_argument("--endpoints", nargs="+", metavar="URL",
+                      help="OpenAI-compatible base URLs, e.g. http://127.0.0.1:8000/v1")
+    live.add_argument("--questions", type=Path, metavar="JSONL",
+                      help='one {"question": ..., "answer": "... #### N"} per line')
+    live.add_argument("--fewshot", type=Path, metavar="JSONL",
+                      help="examples in the same format to put before each question")
+    live.add_argument("--num-fewshot", type=whole_number(0), default=0,
+                      help="examples per question, a fixed random draw for each (default 0)")
+    live.add_argument("--max-tokens", type=whole_number(1), default=256,
+                      help="completion tokens per question (default 256)")
+    live.add_argument("--model", help="model name to ask for (default: the endpoint's /models)")
+    live.add_argument("--concurrency", type=whole_number(1), default=64,
+                      help="requests in flight per endpoint")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=ab)
 

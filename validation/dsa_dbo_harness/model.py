@@ -3,6 +3,16 @@
 With `index_topk_freq=4, index_skip_topk_offset=3` layers 0, 1, 2 and 6 lead
 and 3, 4, 5 and 7 follow; layers 1-7 are MoE, so DBO yields between every
 leader and its followers.
+
+`HYV4_CONFIG` / `write_hy_v4_model` is the same size for `HYV4ForCausalLM`
+(vllm/models/hy_v4/nvidia): 8 sparse-attention layers whose leaders and
+followers come from `indexer_types` (vLLM's HYV4Config always fills it, so
+`index_topk_freq` alone would be ignored). With freq 4 and HYV4's own layout
+(offset 2) layers 0, 1 and 5 lead, 2-4 follow 1 and 6-7 follow 5; layers 1-7
+are MoE. iHC, the learnable sink, the SwiGLU clamp, the fp32 head and MTP are
+off, so only the plain residual, FlashMLA sparse, DeepGEMM indexer and
+unquantized MoE kernels run; the MLA output gate (plain torch unless
+VLLM_ENABLE_HPC_OPS=1) stays on.
 """
 
 from __future__ import annotations
@@ -58,11 +68,46 @@ CONFIG = {
 }
 
 
-def write_model(directory: Path, index_topk_freq: int) -> Path:
+# GLM/DeepSeek keys HYV4 does not read (it routes sigmoid over one group itself).
+_GLM_ONLY = (
+    "architectures", "model_type", "first_k_dense_replace", "moe_layer_freq",
+    "index_skip_topk_offset", "indexer_rope_interleave", "n_group", "topk_group",
+    "topk_method", "scoring_func", "rope_theta",
+)
+HYV4_CONFIG = {
+    **{k: v for k, v in CONFIG.items() if k not in _GLM_ONLY},
+    "architectures": ["HYV4ForCausalLM"],
+    "model_type": "hy_v4",
+    "pad_token_id": 1,
+    "layer_types": ["deepseek_sparse_attention"] * CONFIG["num_hidden_layers"],
+    "index_skip_topk_offset": 2,  # HYV4Config's default indexer_types layout
+    "enable_ihc": False,
+    "learnable_sink": False,
+    "gated_mla": True,
+    "gating_type": "elementwise",
+    "swiglu_limit": 0.0,
+    "enable_lm_head_fp32": False,
+}
+
+
+def hy_v4_indexer_types(num_layers: int, freq: int, offset: int) -> list[str]:
+    """vLLM's `compute_skip_topk_layers` rule for freq/offset, as indexer_types."""
+    return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(num_layers)]
+
+
+def write_model(directory: Path, index_topk_freq: int, base: dict = CONFIG) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
-    config = {**CONFIG, "index_topk_freq": index_topk_freq}
+    config = {**base, "index_topk_freq": index_topk_freq}
+    if config["model_type"] == "hy_v4":
+        config["indexer_types"] = hy_v4_indexer_types(
+            config["num_hidden_layers"], index_topk_freq, config["index_skip_topk_offset"]
+        )
     (directory / "config.json").write_text(json.dumps(config, indent=1))
     return directory
+
+
+def write_hy_v4_model(directory: Path, index_topk_freq: int = 4) -> Path:
+    return write_model(directory, index_topk_freq, HYV4_CONFIG)
 
 
 def reinit_weights(model) -> int:

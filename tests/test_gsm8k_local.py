@@ -1,0 +1,45 @@
+"""The GSM8K-format task and the tokenizer that validation/serve_ab.sh serves the tiny model with."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+from vllm_dsa_dbo.ab import prompts, read_docs
+
+VALIDATION = Path(__file__).resolve().parents[1] / "validation"
+TASK = VALIDATION / "gsm8k_local"
+sys.path.insert(0, str(VALIDATION))
+
+from dsa_dbo_harness.model import CONFIG  # noqa: E402
+from dsa_dbo_harness.serve import task_texts, write_tokenizer  # noqa: E402
+
+
+def test_answers_are_right():
+    for split, count in (("test", 48), ("train", 8)):
+        docs = read_docs(TASK / f"{split}.jsonl")
+        assert len(docs) == count and len({d["question"] for d in docs}) == count
+        for doc in docs:
+            steps = re.findall(r"<<([^=]+)=(\d+)>>", doc["answer"])
+            assert steps and all(eval(expr) == int(value) for expr, value in steps)
+            assert doc["answer"].endswith(f"\n#### {steps[-1][1]}")
+
+
+def test_tokenizer_loads_decodes_every_id_and_prompts_pass_index_topk(tmp_path):
+    from transformers import AutoTokenizer
+
+    from vllm.tokenizers.registry import get_tokenizer
+
+    write_tokenizer(tmp_path, task_texts(TASK))
+    hf = AutoTokenizer.from_pretrained(tmp_path)
+    served = get_tokenizer(str(tmp_path))
+    for tokenizer in (hf, served):
+        assert len(tokenizer) == CONFIG["vocab_size"]
+        assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (0, 1)
+        assert all(isinstance(tokenizer.decode([i]), str) for i in range(CONFIG["vocab_size"]))
+    texts = prompts(read_docs(TASK / "test.jsonl"), read_docs(TASK / "train.jsonl"), 8)
+    for text in texts:
+        ids = hf(text, add_special_tokens=False)["input_ids"]
+        assert hf.unk_token_id not in ids and hf.decode(ids) == text
+        assert len(ids) > CONFIG["index_topk"]
