@@ -36,6 +36,8 @@ def summary(run: dict) -> dict:
         "fix_active": all(w["plugin_patched"] for w in workers(run)),
         "forwards_timed": len(seconds),
         "median_ms": 1e3 * statistics.median(seconds),
+        "p10_ms": 1e3 * statistics.quantiles(seconds, n=10)[0],
+        "min_ms": 1e3 * min(seconds),
         "worker_median_ms": [1e3 * statistics.median(m["seconds"]) for m in measured],
         "cuda_kernels": [p["cuda_kernels"] for p in profiles],
         "sync_warnings": [p["sync_warnings"] for p in profiles],
@@ -51,6 +53,7 @@ def compare(stock: dict, fixed: dict) -> dict:
         "stock": {k: v for k, v in s.items() if k != "kernels_by_name"},
         "fix": {k: v for k, v in f.items() if k != "kernels_by_name"},
         "median_ratio": f["median_ms"] / s["median_ms"],
+        "p10_ratio": f["p10_ms"] / s["p10_ms"],
         "same_kernels": s["kernels_by_name"] == f["kernels_by_name"],
     }
 
@@ -61,18 +64,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     rows = {}
-    print("| mode | forwards timed (stock / fix) | median ms stock | median ms fix | ratio "
+    print("| mode | forwards timed (stock / fix) | median ms (stock / fix) | median ratio "
+          "| p10 ms (stock / fix) | p10 ratio | min ms (stock / fix) "
           "| CUDA kernels per profiled forward (stock / fix, per worker) | same kernels by name "
           "| synchronizing calls (stock / fix) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for mode, stock_name, fix_name in PAIRS:
         paths = [args.runs / f"{n}.json" for n in (stock_name, fix_name)]
         if not all(p.exists() for p in paths):
             continue
         row = rows[mode] = compare(*(json.loads(p.read_text()) for p in paths))
         s, f = row["stock"], row["fix"]
-        print(f"| {mode} | {s['forwards_timed']} / {f['forwards_timed']} | {s['median_ms']:.3f} "
-              f"| {f['median_ms']:.3f} | {row['median_ratio']:.4f} | {s['cuda_kernels']} / "
+        print(f"| {mode} | {s['forwards_timed']} / {f['forwards_timed']} "
+              f"| {s['median_ms']:.3f} / {f['median_ms']:.3f} | {row['median_ratio']:.3f} "
+              f"| {s['p10_ms']:.3f} / {f['p10_ms']:.3f} | {row['p10_ratio']:.3f} "
+              f"| {s['min_ms']:.3f} / {f['min_ms']:.3f} | {s['cuda_kernels']} / "
               f"{f['cuda_kernels']} | {row['same_kernels']} | {s['sync_warnings']} / {f['sync_warnings']} |")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))

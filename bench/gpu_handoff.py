@@ -88,17 +88,18 @@ def glm53_extra_bytes(index_topk_freq: int) -> dict:
             buffer = torch.empty(8192, GLM53["index_topk"], dtype=torch.int32, device="cuda")
             before = torch.cuda.memory_allocated()
             builder = SparseMLAIndexGroupBuilder(buffer, 1024, num_ubatches=num_ubatches)
-            for leads in leaders:
-                builder.register_layer(leads)
+            # Kept alive as the model's impls keep them: a group the builder
+            # moved past is otherwise freed, with its stock physical rows.
+            groups = [builder.register_layer(leads)[0] for leads in leaders]
             allocated[num_ubatches] = torch.cuda.memory_allocated() - before
-            builders[num_ubatches] = builder
+            builders[num_ubatches] = builder, groups
     finally:
         gc.enable()
     return {
-        "groups_with_followers": len(builders[2].follower_groups),
+        "groups_with_followers": len(builders[2][0].follower_groups),
         "allocator_bytes": allocated,
         "allocator_extra_bytes": allocated[2] - allocated[1],
-        "tensor_extra_bytes": ubatch_topk_bytes(builders[2].follower_groups),
+        "tensor_extra_bytes": ubatch_topk_bytes(builders[2][0].follower_groups),
     }
 
 
