@@ -311,7 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
     live.add_argument("--model", help="model name to ask for (default: the endpoint's /models)")
     live.add_argument("--concurrency", type=whole_number(1), default=64,
                       help="requests in flight per endpoint")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.set_defaults(func=ab)
 
     p = sub.add_parser(
