@@ -154,12 +154,12 @@ def test_hy_v4_without_dbo_allocates_nothing(fake_gpu, monkeypatch):
 
 
 def test_hy_v4_unwired_followers_are_refused(fake_gpu, monkeypatch):
-    """Private follower groups without per-microbatch copies (HYV4 on ROCm, or
-    the ROCm DSA path): the loader refuses the model under DBO."""
+    """Private follower groups without per-microbatch copies (as HYV4 on ROCm
+    builds them): the loader refuses the model under DBO."""
     from vllm_dsa_dbo.patches import hy_v4_model
     from vllm_dsa_dbo.patches.base_loader import check_wired
 
-    monkeypatch.setattr(hy_v4_model, "keep_logical_topk_per_ubatch", lambda model: None)
+    monkeypatch.setattr(hy_v4_model, "share_ubatch_logical_topk", lambda groups, leaders: False)
     model = build_hyv4_model(monkeypatch, fake_gpu, enable_dbo=True)
     with pytest.raises(ValueError, match="Drop --enable-dbo"):
         check_wired(model)

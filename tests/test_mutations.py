@@ -1,4 +1,4 @@
-"""The core test (and the HYV4 test for its patches) fails when any part of
+"""The core test (and the HYV4 and ROCm DSA tests for their patches) fails when any part of
 the fix is removed from the source.
 
 Each mutation edits a copy of the package and runs its test against it
@@ -22,6 +22,7 @@ CORE_TEST = (
     "tests/test_dbo_ubatch.py::test_dbo_ubatch_followers_read_their_own_leaders_topk"
 )
 HYV4_TEST = "tests/test_hy_v4.py::test_hy_v4_followers_read_their_own_leaders_topk"
+ROCM_TEST = "tests/test_rocm_dsa.py::test_rocm_dsa_followers_read_their_own_leaders_topk"
 
 MUTATIONS = {
     "index group always returns microbatch 0's state": (
@@ -44,21 +45,45 @@ MUTATIONS = {
     ),
     "HYV4 indexer op left as vLLM's": (
         "patches/hy_v4_attention.py",
-        "    target.SparseAttnIndexer = SparseAttnIndexer\n",
+        "    target.SparseAttnIndexer = per_ubatch_indexer_op(target.SparseAttnIndexer)\n",
         "    pass\n",
-        HYV4_TEST,
-    ),
-    "HYV4 indexer op writes microbatch 0's buffer": (
-        "patches/hy_v4_attention.py",
-        "    return resolve_logical_topk(self.index_group, self._topk_indices_buffer)\n",
-        "    return self._topk_indices_buffer\n",
         HYV4_TEST,
     ),
     "HYV4 model not wired": (
         "patches/hy_v4_model.py",
-        "        keep_logical_topk_per_ubatch(self)\n",
+        "    call_after_init(target.HYV4Model, keep_logical_topk_per_ubatch)\n",
         "        pass\n",
         HYV4_TEST,
+    ),
+    "indexer op writes microbatch 0's buffer (HYV4)": (
+        "ubatch_topk.py",
+        "            return resolve_logical_topk(self.index_group, self._topk_indices_buffer)\n",
+        "            return self._topk_indices_buffer\n",
+        HYV4_TEST,
+    ),
+    "ROCm DSA indexer op left as vLLM's": (
+        "patches/rocm_dsa_attention.py",
+        "    target.SparseAttnIndexer = per_ubatch_indexer_op(target.SparseAttnIndexer)\n",
+        "    pass\n",
+        ROCM_TEST,
+    ),
+    "ROCm DSA model not wired": (
+        "patches/rocm_dsa_model.py",
+        "    call_after_init(target.DeepseekV32Model, keep_logical_topk_per_ubatch)\n",
+        "        pass\n",
+        ROCM_TEST,
+    ),
+    "leaders' indexer ops not given their group (ROCm DSA)": (
+        "ubatch_topk.py",
+        "        op.index_group = group\n",
+        "        pass\n",
+        ROCM_TEST,
+    ),
+    "indexer op writes microbatch 0's buffer (ROCm DSA)": (
+        "ubatch_topk.py",
+        "            return resolve_logical_topk(self.index_group, self._topk_indices_buffer)\n",
+        "            return self._topk_indices_buffer\n",
+        ROCM_TEST,
     ),
 }
 
@@ -81,7 +106,7 @@ def copy_package(root: Path) -> Path:
     return copy
 
 
-@pytest.mark.parametrize("test", [CORE_TEST, HYV4_TEST])
+@pytest.mark.parametrize("test", [CORE_TEST, HYV4_TEST, ROCM_TEST])
 def test_core_test_passes_on_unmutated_copy(test, tmp_path):
     copy_package(tmp_path)
     result = run_test(tmp_path, test)

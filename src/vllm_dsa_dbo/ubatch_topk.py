@@ -139,18 +139,55 @@ def new_ubatch_logical_topk(buffer: torch.Tensor, num_extra: int) -> list[torch.
     return [torch.empty_like(buffer) for _ in range(num_extra)]
 
 
-def share_ubatch_logical_topk(groups: list[Any]) -> None:
-    """Per-microbatch logical top-k for single-layer groups of one shared buffer.
+def per_ubatch_indexer_op(indexer_op_cls: type) -> type:
+    """`indexer_op_cls` writing the calling microbatch's logical top-k.
 
-    Models whose layers each build a private group (HYV4) hand only the
-    logical buffer from layer to layer: each group converts and reads its
-    physical top-k within one layer, so it needs no copies. The caller has
-    wired every leader's writer to its group.
+    Models without a shared index-group builder (HYV4, ROCm DSA) give each
+    leader's indexer op the model-wide buffer. Once `share_ubatch_logical_topk`
+    has set the op's `index_group`, the op resolves that buffer as the
+    followers' impls do; before that (unwired models, MTP drafts) it is vLLM's.
     """
-    extra = new_ubatch_logical_topk(groups[0].logical_topk_indices, groups[0].num_ubatches - 1)
+
+    class IndexerOp(indexer_op_cls):
+        index_group = None
+
+        @property
+        def topk_indices_buffer(self) -> torch.Tensor:
+            return resolve_logical_topk(self.index_group, self._topk_indices_buffer)
+
+        @topk_indices_buffer.setter
+        def topk_indices_buffer(self, buffer: torch.Tensor) -> None:
+            self._topk_indices_buffer = buffer
+
+    IndexerOp.__name__ = IndexerOp.__qualname__ = indexer_op_cls.__name__
+    return IndexerOp
+
+
+def share_ubatch_logical_topk(groups: list[Any], leaders: list[tuple[Any, Any]]) -> bool:
+    """Per-microbatch logical top-k for a model whose layers build private groups.
+
+    `groups` holds every sparse layer's group and `leaders` each leader's
+    (indexer op, group). Such groups convert and read their physical top-k
+    within one layer, so only the shared logical buffer needs copies. Wires
+    nothing, and returns False, unless several microbatches run, some layer
+    reuses another's top-k, all groups share one buffer and every leader's op
+    resolves through its group (`per_ubatch_indexer_op`): the loader then
+    refuses the model under DBO.
+    """
+    if not groups or any(g is None for g in groups) or groups[0].num_ubatches < 2:
+        return False
+    buffer = groups[0].logical_topk_indices
+    if all(g.has_indexer for g in groups) or any(g.logical_topk_indices is not buffer for g in groups):
+        return False
+    if not all(hasattr(op, "index_group") for op, _ in leaders):
+        return False
+    extra = new_ubatch_logical_topk(buffer, groups[0].num_ubatches - 1)
     for group in groups:
         group.ubatch_logical_topk_indices = extra
         group.leader_writes_follow_impl = True
+    for op, group in leaders:
+        op.index_group = group
+    return True
 
 
 def index_groups(model: torch.nn.Module) -> list[Any]:

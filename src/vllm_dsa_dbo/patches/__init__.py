@@ -7,9 +7,12 @@ Remove when), and defines `apply(target)`. `status`, docs and tests read
 
 from __future__ import annotations
 
+import functools
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,8 @@ PATCH_MODULES = (
     "deepseek_v32_attention",
     "hy_v4_attention",
     "hy_v4_model",
+    "rocm_dsa_attention",
+    "rocm_dsa_model",
     "base_loader",
 )
 
@@ -40,6 +45,24 @@ def patch_modules() -> list[ModuleType]:
     return [importlib.import_module(f"{__name__}.{name}") for name in PATCH_MODULES]
 
 
+def call_after_init(cls: type, hook: Callable[[Any], None]) -> None:
+    """Run `hook(instance)` after `cls.__init__`, keeping its signature."""
+    stock_init = cls.__init__
+
+    @functools.wraps(stock_init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        stock_init(self, *args, **kwargs)
+        hook(self)
+
+    cls.__init__ = __init__
+
+
+def _on_rocm() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_rocm()
+
+
 def apply_all() -> list[Patch]:
     """Apply every patch once per process; returns the patches now in force."""
     patches = []
@@ -47,6 +70,10 @@ def apply_all() -> list[Patch]:
         try:
             target = importlib.import_module(module.PATCH.target)
         except NotImplementedError:  # vLLM builds no such model here (hy_v4 on XPU)
+            continue
+        except ImportError:  # a ROCm-only module off ROCm; never on ROCm itself
+            if not getattr(module, "ROCM_ONLY", False) or _on_rocm():
+                raise
             continue
         if not getattr(target, _APPLIED, False):
             module.apply(target)

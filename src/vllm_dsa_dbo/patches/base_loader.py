@@ -19,10 +19,10 @@ PATCH = Patch(
     why=(
         "An operator cannot see from the logs whether the fix is active for a model "
         "or what it costs; and models whose leaders write the top-k outside "
-        "DeepseekV32Attention and HYV4's indexer op (the deepseek_v2 / "
+        "DeepseekV32Attention and the per-microbatch indexer ops (the deepseek_v2 / "
         "glm4_moe_lite DSA path), or whose followers build private index groups "
-        "that nothing wires (ROCm DSA, HYV4 on ROCm), would still share it "
-        "between microbatches."
+        "that nothing wires (HYV4 on ROCm), would still share it between "
+        "microbatches."
     ),
     how=(
         "Wraps the loader's initialize_model: after a model is built, each worker "
@@ -35,7 +35,7 @@ PATCH = Patch(
     ),
     upstream=(
         "none for the log line; the refusals stand in for fixes PR #60734 does "
-        "not make (the deepseek_v2 path, ROCm DSA) and for PR #56476 (DeepSeek-V4.1)"
+        "not make (the deepseek_v2 path, HYV4 on ROCm) and for PR #56476 (DeepSeek-V4.1)"
     ),
     remove_when="with the other patches (the vLLM release that merges PR #60734)",
 )
@@ -75,9 +75,9 @@ def check_wired(model: Any, num_ubatches: int = 1) -> None:
             f"vllm-dsa-dbo: {type(model).__name__} shares top-k between layers "
             "(index_topk_freq > 1 or an index_topk_pattern), but on this code path "
             "its leader layers write the top-k without going through the "
-            "per-microbatch buffers (only vLLM's CUDA DeepSeek-V3.2 / GLM-5 "
-            "and HYV4 paths, vllm/models/deepseek_v32/nvidia and "
-            "vllm/models/hy_v4/nvidia, are covered). With dual batch "
+            "per-microbatch buffers (covered: vLLM's DeepSeek-V3.2 / GLM-5 paths, "
+            "vllm/models/deepseek_v32/nvidia and amd, and HYV4 on CUDA, "
+            "vllm/models/hy_v4/nvidia). With dual batch "
             "overlap its followers would read the other microbatch's top-k. "
             "Drop --enable-dbo (and --ubatch-size) for this model."
         )

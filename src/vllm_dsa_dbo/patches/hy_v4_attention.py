@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Any
 
 from vllm_dsa_dbo.patches import Patch
-from vllm_dsa_dbo.ubatch_topk import resolve_logical_topk
+from vllm_dsa_dbo.ubatch_topk import per_ubatch_indexer_op
 
 PATCH = Patch(
     target="vllm.models.hy_v4.nvidia.attention",
@@ -28,19 +27,5 @@ PATCH = Patch(
 )
 
 
-def _get(self: Any) -> Any:
-    return resolve_logical_topk(self.index_group, self._topk_indices_buffer)
-
-
-def _set(self: Any, buffer: Any) -> None:
-    self._topk_indices_buffer = buffer
-
-
 def apply(target: ModuleType) -> None:
-    class SparseAttnIndexer(target.SparseAttnIndexer):
-        """vLLM's indexer op, writing its index group's microbatch copy."""
-
-        index_group = None
-        topk_indices_buffer = property(_get, _set)
-
-    target.SparseAttnIndexer = SparseAttnIndexer
+    target.SparseAttnIndexer = per_ubatch_indexer_op(target.SparseAttnIndexer)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from vllm_dsa_dbo.patches import Patch
+from vllm_dsa_dbo.patches import Patch, call_after_init
 from vllm_dsa_dbo.ubatch_topk import share_ubatch_logical_topk
 
 PATCH = Patch(
@@ -29,33 +29,19 @@ PATCH = Patch(
 
 
 def keep_logical_topk_per_ubatch(model: Any) -> None:
-    """Wire a HYV4 model's followers and leaders to per-microbatch logical top-k.
-
-    Leaves the model as built when an indexer op cannot resolve per
-    microbatch; the loader then refuses it under DBO.
-    """
+    """Wire a HYV4 model's sparse layers to per-microbatch logical top-k."""
     from vllm.models.hy_v4.nvidia.attention import HYV4MLAAttention
 
-    layers = [
-        m for m in model.modules() if isinstance(m, HYV4MLAAttention) and m.is_sparse
-    ]
-    groups = [layer.mla_attn.impl.index_group for layer in layers]
-    if not groups or groups[0].num_ubatches < 2 or all(g.has_indexer for g in groups):
-        return
-    leaders = [layer for layer in layers if layer.indexer is not None]
-    if not all(hasattr(layer.indexer.indexer_op, "index_group") for layer in leaders):
-        return
-    share_ubatch_logical_topk(groups)
-    for layer in leaders:
-        layer.indexer.indexer_op.index_group = layer.mla_attn.impl.index_group
+    layers = [m for m in model.modules() if isinstance(m, HYV4MLAAttention) and m.is_sparse]
+    share_ubatch_logical_topk(
+        [layer.mla_attn.impl.index_group for layer in layers],
+        [
+            (layer.indexer.indexer_op, layer.mla_attn.impl.index_group)
+            for layer in layers
+            if layer.indexer is not None
+        ],
+    )
 
 
 def apply(target: ModuleType) -> None:
-    model_cls = target.HYV4Model
-    stock_init = model_cls.__init__
-
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        stock_init(self, *args, **kwargs)
-        keep_logical_topk_per_ubatch(self)
-
-    model_cls.__init__ = __init__
+    call_after_init(target.HYV4Model, keep_logical_topk_per_ubatch)

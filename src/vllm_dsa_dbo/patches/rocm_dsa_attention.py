@@ -1,0 +1,38 @@
+"""Patch of `vllm.models.deepseek_v32.amd.rocm`."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from vllm_dsa_dbo.patches import Patch
+from vllm_dsa_dbo.ubatch_topk import per_ubatch_indexer_op
+
+PATCH = Patch(
+    target="vllm.models.deepseek_v32.amd.rocm",
+    why=(
+        "A ROCm DSA leader's DeepseekV32MLAAttention builds its own "
+        "SparseAttnIndexer op holding the model-wide logical top-k buffer, and "
+        "forward_hip hands that one tensor to the indexer kernel in every "
+        "microbatch, while its fused_norm_rope call (through "
+        "DeepseekV32Attention.topk_indices_buffer) and the impls' remap resolve "
+        "through the impl."
+    ),
+    how=(
+        "The module's SparseAttnIndexer becomes a subclass whose "
+        "topk_indices_buffer resolves through the layer's index group as the "
+        "sparse MLA impl's does: the op writes the calling microbatch's logical "
+        "buffer once rocm_dsa_model has set its index_group, and vLLM's buffer "
+        "otherwise (unwired models, MTP drafts)."
+    ),
+    upstream="none: vllm PR #60734 fixes only the CUDA deepseek_v32 path",
+    remove_when="the vLLM release whose ROCm DSA keeps its logical top-k per DBO microbatch",
+)
+
+
+# vLLM imports this module on every platform; should it ever fail off ROCm,
+# apply_all skips this patch there (and raises on ROCm).
+ROCM_ONLY = True
+
+
+def apply(target: ModuleType) -> None:
+    target.SparseAttnIndexer = per_ubatch_indexer_op(target.SparseAttnIndexer)

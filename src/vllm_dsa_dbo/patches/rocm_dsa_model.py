@@ -1,0 +1,48 @@
+"""Patch of `vllm.models.deepseek_v32.amd.model`."""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+from vllm_dsa_dbo.patches import Patch, call_after_init
+from vllm_dsa_dbo.ubatch_topk import share_ubatch_logical_topk
+
+PATCH = Patch(
+    target="vllm.models.deepseek_v32.amd.model",
+    why=(
+        "The ROCm DeepseekV32Model (GLM-5 / DeepSeek-V3.2 on ROCm) gives every "
+        "layer one logical top-k buffer but no shared index-group builder: each "
+        "layer's ROCMAiterMLASparseImpl builds a private single-layer group, and "
+        "under DBO microbatch 1's leader overwrites the buffer before microbatch "
+        "0's followers remap from it (a follower whose attention metadata the "
+        "leader did not remap into, e.g. in another KV cache group)."
+    ),
+    how=(
+        "Wraps DeepseekV32Model.__init__: with several microbatches and a layer "
+        "that reuses another's top-k, every layer's group shares one extra "
+        "logical buffer per extra microbatch and each leader's indexer op "
+        "resolves through its group, so writers and readers pick the same copy. "
+        "The converted top-k lives in the attention metadata, which vLLM builds "
+        "per microbatch (one metadata builder per microbatch): no copies."
+    ),
+    upstream="none: vllm PR #60734 fixes only the CUDA deepseek_v32 path",
+    remove_when="the vLLM release whose ROCm DSA keeps its logical top-k per DBO microbatch",
+)
+
+ROCM_ONLY = True  # see rocm_dsa_attention
+
+
+def keep_logical_topk_per_ubatch(model: Any) -> None:
+    """Wire a ROCm DSA model's layers to per-microbatch logical top-k."""
+    from vllm.models.deepseek_v32.amd.rocm import DeepseekV32MLAAttention
+
+    layers = [m for m in model.modules() if isinstance(m, DeepseekV32MLAAttention)]
+    share_ubatch_logical_topk(
+        [layer.impl.index_group for layer in layers],
+        [(layer.indexer_op, layer.impl.index_group) for layer in layers if layer.indexer_op is not None],
+    )
+
+
+def apply(target: ModuleType) -> None:
+    call_after_init(target.DeepseekV32Model, keep_logical_topk_per_ubatch)
