@@ -1,8 +1,8 @@
 """Engine cost of the fix under DBO on 2 GPUs: time per microbatched forward,
 CUDA kernels and synchronizing calls in one, stock vs fix.
 
-    validation/run_matrix.sh DIR perf_on_stock perf_on_fix \\
-        perf_graph_on_stock perf_graph_on_fix          # on 2 GPUs, LANES=1
+    validation/run_matrix.sh DIR perf_on_stock perf_on_fix perf_on_fix_b \\
+        perf_on_stock_b perf_graph_on_stock perf_graph_on_fix    # on 2 GPUs, LANES=1
     python bench/engine_step.py DIR [--json OUT.json]
 
 The harness (`VLLM_DSA_DBO_HARNESS_MEASURE=1`) times every microbatched
@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 PAIRS = (("V1 eager", "perf_on_stock", "perf_on_fix"),
+         ("V1 eager, repeat", "perf_on_stock_b", "perf_on_fix_b"),
          ("V1 FULL_DECODE_ONLY graph replay", "perf_graph_on_stock", "perf_graph_on_fix"))
 
 
