@@ -205,6 +205,12 @@ def reads_another_layers_topk(group: Any) -> bool:
     return group.num_layers > 1 or not group.has_indexer
 
 
+def followed_groups(groups: list[Any]) -> list[Any]:
+    """The groups that read another layer's top-k and have microbatch copies
+    (a group with followers, or a single-layer follower group of HYV4 / ROCm DSA)."""
+    return [g for g in groups if g.ubatch_logical_topk_indices and reads_another_layers_topk(g)]
+
+
 def shares_topk_across_ubatches(group: Any) -> bool:
     """Whether, under DBO, a layer of `group` would read a top-k that another
     layer wrote into state the microbatches share.

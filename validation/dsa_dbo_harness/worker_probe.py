@@ -8,7 +8,7 @@ def snapshot(worker) -> dict:
     from vllm.v1.attention.backends.mla import index_group
 
     from vllm_dsa_dbo import isolation
-    from vllm_dsa_dbo.ubatch_topk import index_groups, reads_another_layers_topk, ubatch_topk_bytes
+    from vllm_dsa_dbo.ubatch_topk import followed_groups, index_groups, ubatch_topk_bytes
 
     groups = index_groups(worker.model_runner.model)
     # With the fix disabled the groups are vLLM's own, without microbatch state.
@@ -25,11 +25,7 @@ def snapshot(worker) -> dict:
             "violating_pairs": sorted(" -> ".join(k) for k in checker.violations),
         },
         "index_groups": len(groups),
-        # Groups that read another layer's top-k and have microbatch copies
-        # (HYV4's single-layer follower groups hold only the logical ones).
-        "groups_with_followers": sum(
-            bool(g.ubatch_logical_topk_indices) and reads_another_layers_topk(g) for g in groups
-        ) if patched else 0,
+        "groups_with_followers": len(followed_groups(groups)) if patched else 0,
         "ubatch_topk_bytes": ubatch_topk_bytes(groups) if patched else 0,
         "model_memory_bytes": worker.model_runner.model_memory_usage,
         "num_gpu_blocks": worker.cache_config.num_gpu_blocks,

@@ -8,8 +8,8 @@ from typing import Any
 
 from vllm_dsa_dbo.patches import Patch
 from vllm_dsa_dbo.ubatch_topk import (
+    followed_groups,
     index_groups,
-    reads_another_layers_topk,
     shares_topk_across_ubatches,
     ubatch_topk_bytes,
 )
@@ -88,7 +88,7 @@ def describe(model: Any) -> str | None:
     copied = [g for g in index_groups(model) if g.ubatch_logical_topk_indices]
     if not copied:
         return None
-    followed = [g for g in copied if reads_another_layers_topk(g)]
+    followed = followed_groups(copied)
     allocated = ubatch_topk_bytes(copied)
     return (
         f"vllm-dsa-dbo: {type(model).__name__} keeps shared top-k per DBO microbatch: "
