@@ -1,4 +1,4 @@
-"""The core test (and the HYV4 and ROCm DSA tests for their patches) fails when any part of
+"""The core test (and the HYV4, ROCm DSA and compiled DSA tests for their patches) fails when any part of
 the fix is removed from the source.
 
 Each mutation edits a copy of the package and runs its test against it
@@ -23,6 +23,7 @@ CORE_TEST = (
 )
 HYV4_TEST = "tests/test_hy_v4.py::test_hy_v4_followers_read_their_own_leaders_topk"
 ROCM_TEST = "tests/test_rocm_dsa.py::test_rocm_dsa_followers_read_their_own_leaders_topk"
+COMPILED_TEST = "tests/test_deepseek_v2.py::test_compiled_dsa_followers_read_their_own_leaders_topk"
 
 MUTATIONS = {
     "index group always returns microbatch 0's state": (
@@ -85,6 +86,30 @@ MUTATIONS = {
         "            return self._topk_indices_buffer\n",
         ROCM_TEST,
     ),
+    "indexer op body left as vLLM's (compiled DSA)": (
+        "patches/sparse_attn_indexer.py",
+        "    cell.cell_contents = per_ubatch_indexer_kernel(cell.cell_contents)\n",
+        "    pass\n",
+        COMPILED_TEST,
+    ),
+    "indexer op body writes microbatch 0's buffer (compiled DSA)": (
+        "ubatch_topk.py",
+        "        if _UBATCH_ID_OF_THREAD and INDEXER_OP_LEADERS:\n",
+        "        if False:\n",
+        COMPILED_TEST,
+    ),
+    "compiled DSA layers not wired": (
+        "patches/mla.py",
+        "    call_after_init(target.MultiHeadLatentAttentionWrapper, wire)\n",
+        "    pass\n",
+        COMPILED_TEST,
+    ),
+    "extra microbatches wait on their own, never-recorded event (compiled DSA)": (
+        "ubatch_topk.py",
+        "        state.logical_topk_ready = group.logical_topk_ready\n",
+        "        pass\n",
+        COMPILED_TEST,
+    ),
 }
 
 
@@ -106,7 +131,7 @@ def copy_package(root: Path) -> Path:
     return copy
 
 
-@pytest.mark.parametrize("test", [CORE_TEST, HYV4_TEST, ROCM_TEST])
+@pytest.mark.parametrize("test", [CORE_TEST, HYV4_TEST, ROCM_TEST, COMPILED_TEST])
 def test_core_test_passes_on_unmutated_copy(test, tmp_path):
     copy_package(tmp_path)
     result = run_test(tmp_path, test)

@@ -3,7 +3,9 @@
 #   validation/run_matrix.sh OUTDIR NAME ... (names from the table below)
 # Each NAME writes OUTDIR/NAME.json and OUTDIR/NAME.log. chk_* runs have the
 # isolation checker on (audit), perf_* runs time microbatched forwards
-# (120 tokens each, so 100+ microbatched decode steps per worker).
+# (120 tokens each, so 100+ microbatched decode steps per worker). dsv2_* runs
+# are the same model as DeepseekV3ForCausalLM (vLLM's torch.compile'd
+# deepseek_v2 DSA path), compiled without CUDA graphs or with FULL decode graphs.
 set -uo pipefail
 . /tmp/gpu/env.sh
 out="$1"; shift
@@ -13,10 +15,11 @@ models="${MODELS:-/tmp/dsa-dbo-models}"
 python - "$models" <<'PY'
 import sys
 from pathlib import Path
-from dsa_dbo_harness.model import write_hy_v4_model, write_model
+from dsa_dbo_harness.model import DSV2_CONFIG, write_hy_v4_model, write_model
 for freq in (1, 4):
     write_model(Path(sys.argv[1]) / f"freq{freq}", freq)
 write_hy_v4_model(Path(sys.argv[1]) / "hy_v4", 4)
+write_model(Path(sys.argv[1]) / "dsv2", 4, DSV2_CONFIG)
 PY
 
 spec() {  # NAME -> "model fix mode dbo-args"; a number N as model means freqN
@@ -46,6 +49,13 @@ spec() {  # NAME -> "model fix mode dbo-args"; a number N as model means freqN
     hy_off_b)           echo "hy_v4 off eager" ;;
     hy_on_stock)        echo "hy_v4 off eager --dbo" ;;
     hy_on_fix)          echo "hy_v4 on eager --dbo" ;;
+    dsv2_off)           echo "dsv2 on compiled" ;;
+    dsv2_off_b)         echo "dsv2 off compiled" ;;
+    dsv2_on_stock)      echo "dsv2 off compiled --dbo" ;;
+    dsv2_on_fix)        echo "dsv2 on compiled --dbo" ;;
+    dsv2_graph_off)     echo "dsv2 on graph" ;;
+    dsv2_graph_on_stock) echo "dsv2 off graph --dbo" ;;
+    dsv2_graph_on_fix)  echo "dsv2 on graph --dbo" ;;
     *) echo "unknown run $1" >&2; return 1 ;;
   esac
 }

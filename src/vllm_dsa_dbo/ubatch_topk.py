@@ -10,12 +10,16 @@ the new types and lookups only; it patches nothing and is written to drop into
 
 from __future__ import annotations
 
+import functools
+import inspect
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 
+from vllm.utils.torch_utils import _resolve_layer_name
 from vllm.v1.worker import ubatching
 
 # DBO registers each microbatch thread here (and only mutates the dict).
@@ -107,6 +111,70 @@ def resolve_logical_topk(
     if not extra or not group.leader_writes_follow_impl or buffer is not group.logical_topk_indices:
         return buffer
     return extra[ubatch_id - 1]
+
+
+# Leaders whose logical top-k `torch.ops.vllm.sparse_attn_indexer` writes from
+# a torch.compile'd model, by the indexer's k-cache layer name: all the op body
+# sees of its caller.
+INDEXER_OP_LEADERS: dict[str, Any] = {}
+
+
+def wire_indexer_op_leader(k_cache_prefix: str, group: Any) -> None:
+    """Let the indexer op of the leader at `k_cache_prefix` write through `group`."""
+    INDEXER_OP_LEADERS[k_cache_prefix] = group
+    group.leader_writes_follow_impl = True
+
+
+def per_ubatch_indexer_kernel(kernel: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """`kernel`, the body of vLLM's sparse_attn_indexer op, writing the calling
+    microbatch's logical top-k for the leaders in `INDEXER_OP_LEADERS`.
+
+    A compiled model hands the op the buffer it was traced with, so only the
+    op body, which runs in the microbatch's thread (eagerly, at CUDA-graph
+    capture, and at piecewise replay), can choose. The buffer arrives as a
+    graph input, so it is matched by address, not identity.
+    """
+    names = list(inspect.signature(kernel).parameters)
+    prefix_at, buffer_at = names.index("k_cache_prefix"), names.index("topk_indices_buffer")
+
+    def argument(args: tuple, kwargs: dict, at: int) -> Any:
+        return args[at] if len(args) > at else kwargs[names[at]]
+
+    @functools.wraps(kernel)
+    def per_ubatch_kernel(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if _UBATCH_ID_OF_THREAD and INDEXER_OP_LEADERS:
+            group = INDEXER_OP_LEADERS.get(_resolve_layer_name(argument(args, kwargs, prefix_at)))
+            buffer = argument(args, kwargs, buffer_at)
+            if group is not None and _same_tensor(buffer, group.logical_topk_indices):
+                resolved = resolve_logical_topk(group, group.logical_topk_indices)
+                if len(args) > buffer_at:
+                    args = (*args[:buffer_at], resolved, *args[buffer_at + 1 :])
+                else:
+                    kwargs = {**kwargs, names[buffer_at]: resolved}
+        return kernel(*args, **kwargs)
+
+    return per_ubatch_kernel
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a is b or (a.data_ptr() == b.data_ptr() and a.shape == b.shape)
+
+
+def share_logical_topk_ready(group: Any) -> None:
+    """Every microbatch of `group` records and waits on the group's own
+    logical-ready event.
+
+    A compiled model records it from traced code
+    (`MultiHeadLatentAttentionWrapper.forward`), so the graph records the
+    event the tracer saw, microbatch 0's, in every microbatch; another
+    microbatch's own event would never be recorded and its wait would be a
+    no-op, racing the indexer. One event is enough: the microbatches share one
+    compute stream, and a leader records and waits within one layer, with no
+    yield in between, so the latest record always follows its own indexer.
+    Call it outside microbatches (at model build).
+    """
+    for state in group.ubatch_topk_states:
+        state.logical_topk_ready = group.logical_topk_ready
 
 
 def new_ubatch_topk_state(group: Any) -> UbatchTopkState:

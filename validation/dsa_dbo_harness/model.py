@@ -4,7 +4,9 @@ With `index_topk_freq=4, index_skip_topk_offset=3` layers 0, 1, 2 and 6 lead
 and 3, 4, 5 and 7 follow; layers 1-7 are MoE, so DBO yields between every
 leader and its followers.
 
-`HYV4_CONFIG` / `write_hy_v4_model` is the same size for `HYV4ForCausalLM`
+`DSV2_CONFIG` is the same model as `DeepseekV3ForCausalLM`, which vLLM
+builds with its torch.compile'd deepseek_v2 DSA path (same layers, same
+leaders). `HYV4_CONFIG` / `write_hy_v4_model` is the same size for `HYV4ForCausalLM`
 (vllm/models/hy_v4/nvidia): 8 sparse-attention layers whose leaders and
 followers come from `indexer_types` (vLLM's HYV4Config always fills it, so
 `index_topk_freq` alone would be ignored). With freq 4 and HYV4's own layout
@@ -87,6 +89,15 @@ HYV4_CONFIG = {
     "gating_type": "elementwise",
     "swiglu_limit": 0.0,
     "enable_lm_head_fp32": False,
+}
+
+
+# The same model as `DeepseekV3ForCausalLM`: vLLM builds it with
+# model_executor/models/deepseek_v2.py, torch.compile'd unless enforce_eager.
+DSV2_CONFIG = {
+    **{k: v for k, v in CONFIG.items() if k != "mlp_layer_types"},
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
 }
 
 

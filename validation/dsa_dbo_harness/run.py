@@ -23,6 +23,8 @@ MODES = {
     # mode: (extra LLM kwargs, extra env)
     "eager": ({"enforce_eager": True}, {}),
     "v2": ({"enforce_eager": True}, {"VLLM_USE_V2_MODEL_RUNNER": "1"}),
+    # torch.compile'd (models that support it), no CUDA graphs
+    "compiled": ({"compilation_config": {"cudagraph_mode": "NONE"}}, {}),
     "graph": (
         {
             "compilation_config": {

@@ -31,6 +31,8 @@ PATCH_MODULES = (
     "index_group",
     "sparse_mla_attention",
     "deepseek_v32_attention",
+    "sparse_attn_indexer",
+    "mla",
     "hy_v4_attention",
     "hy_v4_model",
     "rocm_dsa_attention",

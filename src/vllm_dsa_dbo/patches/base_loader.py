@@ -19,8 +19,8 @@ PATCH = Patch(
     why=(
         "An operator cannot see from the logs whether the fix is active for a model "
         "or what it costs; and models whose leaders write the top-k outside "
-        "DeepseekV32Attention and the per-microbatch indexer ops (the deepseek_v2 / "
-        "glm4_moe_lite DSA path), or whose followers build private index groups "
+        "the per-microbatch writers (the deepseek_v2 / glm4_moe_lite DSA path on "
+        "ROCm), or whose followers build private index groups "
         "that nothing wires (HYV4 on ROCm), would still share it between "
         "microbatches."
     ),
@@ -35,7 +35,8 @@ PATCH = Patch(
     ),
     upstream=(
         "none for the log line; the refusals stand in for fixes PR #60734 does "
-        "not make (the deepseek_v2 path, HYV4 on ROCm) and for PR #56476 (DeepSeek-V4.1)"
+        "not make (the deepseek_v2 path on ROCm, HYV4 on ROCm) and for PR #56476 "
+        "(DeepSeek-V4.1)"
     ),
     remove_when="with the other patches (the vLLM release that merges PR #60734)",
 )
@@ -76,8 +77,9 @@ def check_wired(model: Any, num_ubatches: int = 1) -> None:
             "(index_topk_freq > 1 or an index_topk_pattern), but on this code path "
             "its leader layers write the top-k without going through the "
             "per-microbatch buffers (covered: vLLM's DeepSeek-V3.2 / GLM-5 paths, "
-            "vllm/models/deepseek_v32/nvidia and amd, and HYV4 on CUDA, "
-            "vllm/models/hy_v4/nvidia). With dual batch "
+            "vllm/models/deepseek_v32/nvidia and amd, HYV4 on CUDA, "
+            "vllm/models/hy_v4/nvidia, and the compiled deepseek_v2 / glm4_moe_lite "
+            "DSA path on CUDA). With dual batch "
             "overlap its followers would read the other microbatch's top-k. "
             "Drop --enable-dbo (and --ubatch-size) for this model."
         )

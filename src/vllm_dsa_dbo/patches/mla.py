@@ -1,0 +1,46 @@
+"""Patch of `vllm.model_executor.layers.mla`."""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+from vllm.platforms import current_platform
+
+from vllm_dsa_dbo.patches import Patch, call_after_init
+from vllm_dsa_dbo.ubatch_topk import share_logical_topk_ready, wire_indexer_op_leader
+
+PATCH = Patch(
+    target="vllm.model_executor.layers.mla",
+    why=(
+        "MultiHeadLatentAttentionWrapper (the deepseek_v2 / glm4_moe_lite DSA "
+        "layers, torch.compile'd) writes the leader's top-k through the "
+        "registered indexer op and records the logical-ready event from traced "
+        "code, so the event is microbatch 0's in every microbatch."
+    ),
+    how=(
+        "After __init__, a CUDA leader's indexer op is wired to its index group "
+        "(the sparse_attn_indexer patch then resolves its buffer per microbatch, "
+        "as the group's impls do), and the group's extra microbatches share its "
+        "logical-ready event, the one the traced graph records."
+    ),
+    upstream=(
+        "none yet: PR #60734 covers the eager deepseek_v32 path only"
+    ),
+    remove_when="a vLLM release that keeps the compiled DSA path's top-k per microbatch",
+)
+
+
+def wire(wrapper: Any) -> None:
+    group = getattr(getattr(wrapper.mla_attn, "impl", None), "index_group", None)
+    if group is None:
+        return
+    share_logical_topk_ready(group)
+    # Off CUDA the indexer op is another one (ROCm's aiter op): left unwired, refused.
+    indexer_op = getattr(wrapper.indexer, "indexer_op", None)
+    if indexer_op is not None and not wrapper.skip_topk and current_platform.is_cuda():
+        wire_indexer_op_leader(indexer_op.k_cache.prefix, group)
+
+
+def apply(target: ModuleType) -> None:
+    call_after_init(target.MultiHeadLatentAttentionWrapper, wire)
