@@ -72,7 +72,7 @@ def test_dbo_ubatch_outside_microbatch_threads_resolves_ubatch0(fake_gpu):
     group = stack.impls[1].index_group
     assert stack.impls[2].topk_indices_buffer is stack.buffer
     assert group._topk_state() is group
-    assert group.physical_topk_indices is group.__dict__["physical_topk_indices"]
+    assert group.physical_topk_indices is not group.ubatch_topk_states[0].physical_topk_indices
 
 
 @pytest.mark.parametrize("num_ubatches", [None, 1])
@@ -143,6 +143,7 @@ def test_dbo_ubatch_other_threads_resolve_ubatch0_while_microbatches_run(fake_gp
 
     stack = SharedTopkStack(LEADERS, num_ubatches=2)
     group = stack.impls[2].index_group
+    ubatch0 = group.physical_topk_indices
     seen = []
 
     def outsider() -> None:
@@ -155,4 +156,4 @@ def test_dbo_ubatch_other_threads_resolve_ubatch0_while_microbatches_run(fake_gp
             thread.join()
 
     run_dbo_step(step)
-    assert seen == [(stack.buffer, group.__dict__["physical_topk_indices"])]
+    assert seen == [(stack.buffer, ubatch0)]

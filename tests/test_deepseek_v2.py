@@ -169,3 +169,30 @@ def test_compiled_dsa_off_cuda_is_refused(fake_gpu, monkeypatch):
     layers, _ = build_layers(monkeypatch, fake_gpu, num_ubatches=2, platform="rocm")
     with pytest.raises(ValueError, match="Drop --enable-dbo"):
         check_wired(layers)
+
+
+def test_traced_code_reads_microbatch_0s_group_state(fake_gpu):
+    """vLLM compiles a model on its first forward, which under DBO runs in a
+    microbatch thread: traced reads of the group's state must neither break
+    the graph (fullgraph) on the thread lookup nor pick that microbatch's copy."""
+    from vllm_dsa_dbo.cpu_dbo import run_dbo_step
+    from vllm_dsa_dbo.demo import SharedTopkStack
+
+    stack = SharedTopkStack(LEADERS, num_ubatches=2)
+    group = stack.impls[2].index_group
+    ubatch0 = group.physical_topk_indices
+    traced = {}
+
+    def read(x: torch.Tensor) -> torch.Tensor:
+        return x + group.physical_topk_indices[0, 0]
+
+    def step(ubatch: int) -> None:
+        if ubatch == 1:
+            compiled = torch.compile(read, fullgraph=True, backend="eager")
+            ubatch0[0, 0] = 7
+            group.physical_topk_indices[0, 0] = 5
+            traced["value"] = int(compiled(torch.zeros(())))
+
+    run_dbo_step(step)
+    assert group.ubatch_topk_states[0].physical_topk_indices is not ubatch0
+    assert traced == {"value": 7}

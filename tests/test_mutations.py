@@ -24,6 +24,7 @@ CORE_TEST = (
 HYV4_TEST = "tests/test_hy_v4.py::test_hy_v4_followers_read_their_own_leaders_topk"
 ROCM_TEST = "tests/test_rocm_dsa.py::test_rocm_dsa_followers_read_their_own_leaders_topk"
 COMPILED_TEST = "tests/test_deepseek_v2.py::test_compiled_dsa_followers_read_their_own_leaders_topk"
+TRACED_TEST = "tests/test_deepseek_v2.py::test_traced_code_reads_microbatch_0s_group_state"
 
 MUTATIONS = {
     "index group always returns microbatch 0's state": (
@@ -103,6 +104,12 @@ MUTATIONS = {
         "    call_after_init(target.MultiHeadLatentAttentionWrapper, wire)\n",
         "    pass\n",
         COMPILED_TEST,
+    ),
+    "traced code looks the microbatch up (graph break under fullgraph)": (
+        "ubatch_topk.py",
+        "        if not _UBATCH_ID_OF_THREAD or torch.compiler.is_compiling():\n",
+        "        if not _UBATCH_ID_OF_THREAD:\n",
+        TRACED_TEST,
     ),
     "extra microbatches wait on their own, never-recorded event (compiled DSA)": (
         "ubatch_topk.py",

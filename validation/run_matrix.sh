@@ -5,7 +5,8 @@
 # isolation checker on (audit), perf_* runs time microbatched forwards
 # (120 tokens each, so 100+ microbatched decode steps per worker). dsv2_* runs
 # are the same model as DeepseekV3ForCausalLM (vLLM's torch.compile'd
-# deepseek_v2 DSA path), compiled without CUDA graphs or with FULL decode graphs.
+# deepseek_v2 DSA path), compiled without CUDA graphs or with FULL decode
+# graphs; dsv2e_* run it with enforce_eager.
 set -uo pipefail
 . /tmp/gpu/env.sh
 out="$1"; shift
@@ -53,6 +54,10 @@ spec() {  # NAME -> "model fix mode dbo-args"; a number N as model means freqN
     dsv2_off_b)         echo "dsv2 off compiled" ;;
     dsv2_on_stock)      echo "dsv2 off compiled --dbo" ;;
     dsv2_on_fix)        echo "dsv2 on compiled --dbo" ;;
+    dsv2e_off)          echo "dsv2 on eager" ;;
+    dsv2e_off_b)        echo "dsv2 off eager" ;;
+    dsv2e_on_stock)     echo "dsv2 off eager --dbo" ;;
+    dsv2e_on_fix)       echo "dsv2 on eager --dbo" ;;
     dsv2_graph_off)     echo "dsv2 on graph" ;;
     dsv2_graph_on_stock) echo "dsv2 off graph --dbo" ;;
     dsv2_graph_on_fix)  echo "dsv2 on graph --dbo" ;;

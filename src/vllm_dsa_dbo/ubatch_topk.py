@@ -57,25 +57,31 @@ class UbatchTopkField:
     and groups without followers see exactly the stock attribute. Every read
     of the state, in vLLM's `_convert_once` and `set_logical_topk_ready` or
     anywhere else, resolves here: nothing depends on where DBO yields.
+    Code that torch.compile traces (a compiled model records the logical-ready
+    event from its forward) sees microbatch 0's value: a traced graph cannot
+    choose per microbatch, and Dynamo cannot trace the thread lookup.
     """
 
     def __init__(self, name: str) -> None:
         self.name = name
+        # Microbatch 0's value lives under its own name: Dynamo reads
+        # `group.__dict__[name]` back through this descriptor.
+        self.slot = f"_{name}_ubatch0"
 
     def __get__(self, group: Any, owner: type | None = None) -> Any:
         if group is None:
             return self
-        if not _UBATCH_ID_OF_THREAD:  # no microbatch running
-            return group.__dict__[self.name]
+        if not _UBATCH_ID_OF_THREAD or torch.compiler.is_compiling():
+            return group.__dict__[self.slot]
         state = group._topk_state()
         if state is group:
-            return group.__dict__[self.name]
+            return group.__dict__[self.slot]
         return getattr(state, self.name)
 
     def __set__(self, group: Any, value: Any) -> None:
         state = group._topk_state()
         if state is group:
-            group.__dict__[self.name] = value
+            group.__dict__[self.slot] = value
         else:
             setattr(state, self.name, value)
 
