@@ -191,7 +191,10 @@ def test_traced_code_reads_microbatch_0s_group_state(fake_gpu):
             compiled = torch.compile(read, fullgraph=True, backend="eager")
             ubatch0[0, 0] = 7
             group.physical_topk_indices[0, 0] = 5
-            traced["value"] = int(compiled(torch.zeros(())))
+            try:
+                traced["value"] = int(compiled(torch.zeros(())))
+            except torch._dynamo.exc.Unsupported as e:  # a graph break
+                traced["graph break"] = str(e).splitlines()[0]
 
     run_dbo_step(step)
     assert group.ubatch_topk_states[0].physical_topk_indices is not ubatch0

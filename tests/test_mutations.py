@@ -107,7 +107,7 @@ MUTATIONS = {
     ),
     "traced code looks the microbatch up (graph break under fullgraph)": (
         "ubatch_topk.py",
-        "        if not _UBATCH_ID_OF_THREAD or torch.compiler.is_compiling():\n",
+        "        if not _UBATCH_ID_OF_THREAD or is_dynamo_compiling():\n",
         "        if not _UBATCH_ID_OF_THREAD:\n",
         TRACED_TEST,
     ),

@@ -18,6 +18,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
+from torch.compiler import is_dynamo_compiling
 
 from vllm.utils.torch_utils import _resolve_layer_name
 from vllm.v1.worker import ubatching
@@ -71,7 +72,7 @@ class UbatchTopkField:
     def __get__(self, group: Any, owner: type | None = None) -> Any:
         if group is None:
             return self
-        if not _UBATCH_ID_OF_THREAD or torch.compiler.is_compiling():
+        if not _UBATCH_ID_OF_THREAD or is_dynamo_compiling():
             return group.__dict__[self.slot]
         state = group._topk_state()
         if state is group:
