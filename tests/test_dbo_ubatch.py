@@ -84,7 +84,7 @@ def test_dbo_ubatch_no_dbo_allocates_nothing(fake_gpu, num_ubatches):
 
 
 def test_dbo_ubatch_leaders_writing_elsewhere_are_refused(fake_gpu):
-    """A leader whose module writes the top-k itself (the deepseek_v2 path):
+    """A leader whose module writes the top-k itself (as the deepseek_v2 path on ROCm):
     its group never resolves per microbatch, and the loader refuses the model."""
     import torch.nn as nn
 

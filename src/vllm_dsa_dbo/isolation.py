@@ -14,7 +14,9 @@ Host-side bookkeeping only, at the three places the hand-off happens:
 Each write stamps the state object (the resolved buffer or event) with the
 microbatch and the step's forward context; each read compares. Python runs in
 eager steps and during CUDA-graph capture, so both are checked; replays reuse
-what capture checked.
+what capture checked. A torch.compile'd model (the deepseek_v2 DSA path) runs
+the leader's `record_logical_topk_ready()` only while it is traced, so there
+the logical buffer's reads go unchecked; the physical state is checked.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import threading
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
+
+from torch.compiler import is_dynamo_compiling
 
 from vllm_dsa_dbo.ubatch_topk import current_ubatch_id
 
@@ -127,6 +131,8 @@ def install(mode: str) -> IsolationChecker:
 
     def record_logical_topk_ready(self: Any) -> None:
         stock_record(self)
+        if is_dynamo_compiling():  # traced once, not a run-time write
+            return
         group = self.index_group
         if group is not None and group.has_indexer and self.index_group_index == 0:
             checker.write(
