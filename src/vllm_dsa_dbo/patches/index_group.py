@@ -20,8 +20,8 @@ PATCH = Patch(
         "config's) and allocates a UbatchTopkState per extra microbatch when a "
         "group gets its first follower, plus one logical buffer per extra "
         "microbatch per builder; the group's four state fields resolve through "
-        "_topk_state(), so vLLM's _convert_once and set_logical_topk_ready run "
-        "unchanged. HiSparse followers under DBO are refused at construction."
+        "_topk_state() (microbatch 0's in code torch.compile traces), so vLLM's "
+        "_convert_once and set_logical_topk_ready run unchanged. HiSparse followers under DBO are refused at construction."
     ),
     upstream=(
         "vllm PR #60734: SparseMLAIndexGroupBuilder(num_ubatches=...), "
