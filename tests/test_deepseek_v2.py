@@ -6,10 +6,10 @@ sparse MLA impls sharing one group builder.
 Each layer is the real wrapper built by its own __init__; only MLAAttention is
 reduced to its impl (the sparse backend and projections a CPU cannot build)
 and the op's kernel body is faked. The leader's writer is compiled once,
-outside microbatches, as vLLM compiles a model before serving, and then runs
-in both microbatch threads. Its ready event is recorded the way the traced
-graph records it: the event the tracer saw, in every microbatch. Layers 0 and
-1 lead, 2 and 3 follow 1.
+before the step (the last test compiles inside a microbatch thread, as vLLM's
+first forward under DBO does), and then runs in both microbatch threads. Its
+ready event is recorded the way the traced graph records it: the event the
+tracer saw, in every microbatch. Layers 0 and 1 lead, 2 and 3 follow 1.
 """
 
 from __future__ import annotations
@@ -21,7 +21,13 @@ import torch
 import torch.nn as nn
 
 from vllm_dsa_dbo.cpu_dbo import FakeStream
-from vllm_dsa_dbo.demo import MAX_DECODE_ROWS, MAX_NUM_BATCHED_TOKENS, SharedTopkStack, make_impl, step_inputs
+from vllm_dsa_dbo.demo import (
+    MAX_DECODE_ROWS,
+    MAX_NUM_BATCHED_TOKENS,
+    SharedTopkStack,
+    make_impl,
+    step_inputs,
+)
 
 LEADERS = [True, True, False, False]
 HF_CONFIG = SimpleNamespace(index_topk=128, index_n_heads=2, index_head_dim=128, qk_rope_head_dim=64)
