@@ -3,6 +3,8 @@ CUDA kernels and synchronizing calls in one, stock vs fix.
 
     validation/run_matrix.sh DIR perf_on_stock perf_on_fix perf_on_fix_b \\
         perf_on_stock_b perf_graph_on_stock perf_graph_on_fix    # on 2 GPUs, LANES=1
+    (the control: perf_freq1_on_stock perf_freq1_on_fix perf_freq1_on_fix_b
+    perf_freq1_on_stock_b, no followers, so stock is not corrupted)
     python bench/engine_step.py DIR [--json OUT.json]
 
 The harness (`VLLM_DSA_DBO_HARNESS_MEASURE=1`) times every microbatched
@@ -22,7 +24,9 @@ from pathlib import Path
 
 PAIRS = (("V1 eager", "perf_on_stock", "perf_on_fix"),
          ("V1 eager, repeat", "perf_on_stock_b", "perf_on_fix_b"),
-         ("V1 FULL_DECODE_ONLY graph replay", "perf_graph_on_stock", "perf_graph_on_fix"))
+         ("V1 FULL_DECODE_ONLY graph replay", "perf_graph_on_stock", "perf_graph_on_fix"),
+         ("V1 eager, index_topk_freq=1 (control)", "perf_freq1_on_stock", "perf_freq1_on_fix"),
+         ("V1 eager, index_topk_freq=1 (control), repeat", "perf_freq1_on_stock_b", "perf_freq1_on_fix_b"))
 
 
 def workers(run: dict) -> list[dict]:
