@@ -92,16 +92,14 @@ def build_layers(
     return layers, buffer
 
 
-def closure_cell(fn, name: str):
-    return fn.__closure__[fn.__code__.co_freevars.index(name)]
-
-
 class CompiledStack(SharedTopkStack):
     """The wrapper layers; a leader writes through its indexer op from a
     compiled graph and records the ready event the traced graph records."""
 
     def __init__(self, layers: nn.ModuleList, buffer: torch.Tensor, monkeypatch) -> None:
         from vllm.model_executor.layers import sparse_attn_indexer
+
+        from vllm_dsa_dbo.patches.sparse_attn_indexer import closure_cell
 
         self.leaders = LEADERS
         self.device = "cpu"

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from types import ModuleType
+from collections.abc import Callable
+from types import CellType, ModuleType
 
 from vllm_dsa_dbo.patches import Patch
 from vllm_dsa_dbo.ubatch_topk import per_ubatch_indexer_kernel
@@ -29,7 +30,11 @@ PATCH = Patch(
 )
 
 
+def closure_cell(fn: Callable, name: str) -> CellType:
+    """The cell holding `fn`'s free variable `name`."""
+    return fn.__closure__[fn.__code__.co_freevars.index(name)]
+
+
 def apply(target: ModuleType) -> None:
-    wrapper = target.sparse_attn_indexer
-    cell = wrapper.__closure__[wrapper.__code__.co_freevars.index("fn")]
+    cell = closure_cell(target.sparse_attn_indexer, "fn")
     cell.cell_contents = per_ubatch_indexer_kernel(cell.cell_contents)
