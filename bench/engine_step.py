@@ -25,6 +25,7 @@ from pathlib import Path
 PAIRS = (("V1 eager", "perf_on_stock", "perf_on_fix"),
          ("V1 eager, repeat", "perf_on_stock_b", "perf_on_fix_b"),
          ("V1 FULL_DECODE_ONLY graph replay", "perf_graph_on_stock", "perf_graph_on_fix"),
+         ("V1 FULL_DECODE_ONLY graph replay, repeat", "perf_graph_on_stock_b", "perf_graph_on_fix_b"),
          ("V1 eager, index_topk_freq=1 (control)", "perf_freq1_on_stock", "perf_freq1_on_fix"),
          ("V1 eager, index_topk_freq=1 (control), repeat", "perf_freq1_on_stock_b", "perf_freq1_on_fix_b"))
 

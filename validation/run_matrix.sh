@@ -46,8 +46,8 @@ spec() {  # NAME -> "model fix mode dbo-args"; a number N as model means freqN
     chk_on_fix|perf_on_fix|perf_on_fix_b)        echo "4 on eager --dbo --max-tokens 120" ;;
     perf_freq1_on_stock|perf_freq1_on_stock_b)  echo "1 off eager --dbo --max-tokens 120" ;;
     perf_freq1_on_fix|perf_freq1_on_fix_b)      echo "1 on eager --dbo --max-tokens 120" ;;
-    chk_graph_on_stock|perf_graph_on_stock)  echo "4 off graph --dbo --max-tokens 120" ;;
-    chk_graph_on_fix|perf_graph_on_fix)      echo "4 on graph --dbo --max-tokens 120" ;;
+    chk_graph_on_stock|perf_graph_on_stock|perf_graph_on_stock_b)  echo "4 off graph --dbo --max-tokens 120" ;;
+    chk_graph_on_fix|perf_graph_on_fix|perf_graph_on_fix_b)        echo "4 on graph --dbo --max-tokens 120" ;;
     hy_off)             echo "hy_v4 on eager" ;;
     hy_off_b)           echo "hy_v4 off eager" ;;
     hy_on_stock)        echo "hy_v4 off eager --dbo" ;;

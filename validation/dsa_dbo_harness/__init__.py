@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import sys
 import textwrap
 import time
 import warnings
@@ -24,8 +25,12 @@ from contextlib import contextmanager
 
 ENABLE_ENV = "VLLM_DSA_DBO_HARNESS"
 MEASURE_ENV = "VLLM_DSA_DBO_HARNESS_MEASURE"
+# Python's thread switch interval (seconds) in every vLLM process, if set.
+SWITCH_INTERVAL_ENV = "VLLM_DSA_DBO_HARNESS_SWITCH_INTERVAL"
 # The microbatched forward (counted from `start_measuring`) that is profiled.
 PROFILED_FORWARD = 20
+# Host operators of the profiled forward kept, by time of their own.
+HOST_OPS = 25
 LOG_EVERY = 50
 
 # Per process, read back through collective_rpc: microbatched forwards by kind,
@@ -45,6 +50,8 @@ def register() -> None:
     _naive_prepare_finalize_yields()
     _reinit_dummy_weights()
     _count_microbatched_steps()
+    if os.environ.get(SWITCH_INTERVAL_ENV):
+        sys.setswitchinterval(float(os.environ[SWITCH_INTERVAL_ENV]))
     config_module._dsa_dbo_harness = True
 
 
@@ -120,7 +127,8 @@ def start_measuring(worker) -> None:
 def _measured(call):
     """Wall time of one microbatched forward between two device syncs (the
     syncs are outside it, the same for every run); the PROFILED_FORWARD-th is
-    profiled instead: CUDA kernels launched and synchronizing calls made."""
+    profiled instead: CUDA kernels launched, synchronizing calls made, and the
+    host operators taking the most time of their own (all threads)."""
     import torch
 
     index = COUNTS["ubatched_calls"] - MEASURED["from_call"]
@@ -137,7 +145,8 @@ def _measured(call):
     torch.cuda.set_sync_debug_mode("warn")
     try:
         with warnings.catch_warnings(record=True) as caught, profile(
-            activities=[ProfilerActivity.CUDA]
+            activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+            experimental_config=_all_threads_config(),
         ) as prof:
             warnings.simplefilter("always")
             out = call()
@@ -150,8 +159,25 @@ def _measured(call):
         "cuda_kernels": sum(kernels.values()),
         "kernels_by_name": dict(kernels),
         "sync_warnings": sum("synchroniz" in str(w.message) for w in caught),
+        "host_ops_all_threads": _all_threads_config() is not None,
+        "host_ops_by_self_time": [
+            {"name": e.key, "calls": e.count, "self_cpu_us": e.self_cpu_time_total,
+             "cpu_us": e.cpu_time_total}
+            for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:HOST_OPS]
+        ],
     }
     return out
+
+
+def _all_threads_config():
+    """A profiler config recording the microbatch threads' operators too
+    (torch >= 2.8), else None: only the calling thread's."""
+    from torch._C._profiler import _ExperimentalConfig
+
+    try:
+        return _ExperimentalConfig(profile_all_threads=True)
+    except TypeError:
+        return None
 
 
 def _count_microbatched_steps() -> None:

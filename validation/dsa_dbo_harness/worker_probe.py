@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 
 def snapshot(worker) -> dict:
     import dsa_dbo_harness
@@ -18,6 +20,7 @@ def snapshot(worker) -> dict:
         "plugin_patched": patched,
         "counts": dict(dsa_dbo_harness.COUNTS),
         "measured": dsa_dbo_harness.MEASURED,
+        "switch_interval_s": sys.getswitchinterval(),
         "isolation_check": None if checker is None else {
             "mode": checker.mode,
             "checked_reads": checker.checked_reads,
