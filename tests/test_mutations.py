@@ -29,8 +29,8 @@ TRACED_TEST = "tests/test_deepseek_v2.py::test_traced_code_reads_microbatch_0s_g
 MUTATIONS = {
     "index group always returns microbatch 0's state": (
         "ubatch_topk.py",
-        "    if ubatch_id == 0 or not group.ubatch_topk_states:\n",
-        "    if True:\n",
+        "            if ubatch_id and group.ubatch_topk_states:\n",
+        "            if False:\n",
         CORE_TEST,
     ),
     "impl not wired to the per-microbatch logical buffers": (
@@ -107,8 +107,8 @@ MUTATIONS = {
     ),
     "traced code looks the microbatch up (graph break under fullgraph)": (
         "ubatch_topk.py",
-        "        if not _UBATCH_ID_OF_THREAD or is_dynamo_compiling():\n",
-        "        if not _UBATCH_ID_OF_THREAD:\n",
+        "        if _UBATCH_ID_OF_THREAD and not is_dynamo_compiling():\n",
+        "        if _UBATCH_ID_OF_THREAD:\n",
         TRACED_TEST,
     ),
     "extra microbatches wait on their own, never-recorded event (compiled DSA)": (

@@ -72,12 +72,12 @@ class UbatchTopkField:
     def __get__(self, group: Any, owner: type | None = None) -> Any:
         if group is None:
             return self
-        if not _UBATCH_ID_OF_THREAD or is_dynamo_compiling():
-            return group.__dict__[self.slot]
-        state = group._topk_state()
-        if state is group:
-            return group.__dict__[self.slot]
-        return getattr(state, self.name)
+        # `topk_state`, inline: read several times per sparse MLA call.
+        if _UBATCH_ID_OF_THREAD and not is_dynamo_compiling():
+            ubatch_id = _UBATCH_ID_OF_THREAD.get(threading.get_ident(), 0)
+            if ubatch_id and group.ubatch_topk_states:
+                return getattr(group.ubatch_topk_states[ubatch_id - 1], self.name)
+        return group.__dict__[self.slot]
 
     def __set__(self, group: Any, value: Any) -> None:
         state = group._topk_state()
