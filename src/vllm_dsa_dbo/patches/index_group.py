@@ -19,8 +19,9 @@ PATCH = Patch(
         "SparseMLAIndexGroupBuilder takes num_ubatches (default: the current "
         "config's) and allocates a UbatchTopkState per extra microbatch when a "
         "group gets its first follower, plus one logical buffer per extra "
-        "microbatch per builder; the group's four state fields resolve through "
-        "_topk_state() (microbatch 0's in code torch.compile traces), so vLLM's "
+        "microbatch per builder; the group's four state fields resolve to the "
+        "calling microbatch's copy, as _topk_state() does (microbatch 0's in code "
+        "torch.compile traces), so vLLM's "
         "_convert_once and set_logical_topk_ready run unchanged. HiSparse followers under DBO are refused at construction."
     ),
     upstream=(
