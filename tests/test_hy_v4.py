@@ -159,7 +159,7 @@ def test_hy_v4_unwired_followers_are_refused(fake_gpu, monkeypatch):
     from vllm_dsa_dbo.patches import hy_v4_model
     from vllm_dsa_dbo.patches.base_loader import check_wired
 
-    monkeypatch.setattr(hy_v4_model, "share_ubatch_logical_topk", lambda groups, leaders: False)
+    monkeypatch.setattr(hy_v4_model, "share_ubatch_logical_topk", lambda groups, leaders: None)
     model = build_hyv4_model(monkeypatch, fake_gpu, enable_dbo=True)
     with pytest.raises(ValueError, match="Drop --enable-dbo"):
         check_wired(model)

@@ -245,7 +245,7 @@ def test_rocm_dsa_unwired_followers_are_refused(fake_gpu, monkeypatch):
     from vllm_dsa_dbo.patches import rocm_dsa_model
     from vllm_dsa_dbo.patches.base_loader import check_wired
 
-    monkeypatch.setattr(rocm_dsa_model, "share_ubatch_logical_topk", lambda groups, leaders: False)
+    monkeypatch.setattr(rocm_dsa_model, "share_ubatch_logical_topk", lambda groups, leaders: None)
     model = build_rocm_dsa_model(monkeypatch, fake_gpu, enable_dbo=True)
     with pytest.raises(ValueError, match="Drop --enable-dbo"):
         check_wired(model)

@@ -238,31 +238,30 @@ def per_ubatch_indexer_op(indexer_op_cls: type) -> type:
     return IndexerOp
 
 
-def share_ubatch_logical_topk(groups: list[Any], leaders: list[tuple[Any, Any]]) -> bool:
+def share_ubatch_logical_topk(groups: list[Any], leaders: list[tuple[Any, Any]]) -> None:
     """Per-microbatch logical top-k for a model whose layers build private groups.
 
     `groups` holds every sparse layer's group and `leaders` each leader's
     (indexer op, group). Such groups convert and read their physical top-k
     within one layer, so only the shared logical buffer needs copies. Wires
-    nothing, and returns False, unless several microbatches run, some layer
-    reuses another's top-k, all groups share one buffer and every leader's op
-    resolves through its group (`per_ubatch_indexer_op`): the loader then
-    refuses the model under DBO.
+    nothing unless several microbatches run, some layer reuses another's
+    top-k, all groups share one buffer and every leader's op resolves through
+    its group (`per_ubatch_indexer_op`): the loader then refuses the model
+    under DBO.
     """
     if not groups or any(g is None for g in groups) or groups[0].num_ubatches < 2:
-        return False
+        return
     buffer = groups[0].logical_topk_indices
     if all(g.has_indexer for g in groups) or any(g.logical_topk_indices is not buffer for g in groups):
-        return False
+        return
     if not all(hasattr(op, "index_group") for op, _ in leaders):
-        return False
+        return
     extra = new_ubatch_logical_topk(buffer, groups[0].num_ubatches - 1)
     for group in groups:
         group.ubatch_logical_topk_indices = extra
         group.leader_writes_follow_impl = True
     for op, group in leaders:
         op.index_group = group
-    return True
 
 
 def index_groups(model: torch.nn.Module) -> list[Any]:

@@ -142,11 +142,12 @@ def _measured(call):
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
+    all_threads = _all_threads_config()
     torch.cuda.set_sync_debug_mode("warn")
     try:
         with warnings.catch_warnings(record=True) as caught, profile(
             activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
-            experimental_config=_all_threads_config(),
+            experimental_config=all_threads,
         ) as prof:
             warnings.simplefilter("always")
             out = call()
@@ -159,7 +160,7 @@ def _measured(call):
         "cuda_kernels": sum(kernels.values()),
         "kernels_by_name": dict(kernels),
         "sync_warnings": sum("synchroniz" in str(w.message) for w in caught),
-        "host_ops_all_threads": _all_threads_config() is not None,
+        "host_ops_all_threads": all_threads is not None,
         "host_ops_by_self_time": [
             {"name": e.key, "calls": e.count, "self_cpu_us": e.self_cpu_time_total,
              "cpu_us": e.cpu_time_total}
