@@ -1,15 +1,18 @@
-"""Harness-only vLLM plugin: real DBO on 2 CUDA GPUs without DeepEP.
+"""Harness-only vLLM plugin: real DBO on CUDA GPUs, with DeepEP or without.
 
 vLLM 0.33.0 microbatches only with data parallelism and an all2all backend
-that yields. DeepEP and NIXL are not installable here; the naive
-all-gather/reduce-scatter prepare/finalize yields to the peer microbatch
-around its collectives, and vLLM already runs it under DBO on ROCm. Two CUDA
-gates keep it off; with `VLLM_DSA_DBO_HARNESS=1` this plugin lifts them in
-every vLLM process, re-initialises `--load-format dummy` weights so outputs
-depend on attention, and counts microbatched steps in each worker (logged, for
-`vllm serve`, and read back through `collective_rpc`). With
-`VLLM_DSA_DBO_HARNESS_MEASURE=1` it also times microbatched forwards and
-profiles one. It is never installed with the product.
+that yields. With DeepEP (`deepep_high_throughput`, `deepep_low_latency`, on
+vLLM's own DBO allow-list) nothing needs lifting: run with
+`VLLM_DSA_DBO_HARNESS_GATES=0` and vLLM runs unmodified. Without DeepEP the
+naive all-gather/reduce-scatter prepare/finalize yields to the peer microbatch
+around its collectives, and vLLM already runs it under DBO on ROCm; two CUDA
+gates keep it off, and by default this plugin lifts them in every vLLM process
+(recorded in `GATES`). In every case, with `VLLM_DSA_DBO_HARNESS=1`, it
+re-initialises `--load-format dummy` weights so outputs depend on attention,
+and counts microbatched steps in each worker (logged, for `vllm serve`, and
+read back through `collective_rpc`). With `VLLM_DSA_DBO_HARNESS_MEASURE=1` it
+also times microbatched forwards and profiles one. It is never installed with
+the product.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from collections import Counter
 from contextlib import contextmanager
 
 ENABLE_ENV = "VLLM_DSA_DBO_HARNESS"
+# "0": lift no vLLM check and inject no yield (DeepEP runs).
+GATES_ENV = "VLLM_DSA_DBO_HARNESS_GATES"
 MEASURE_ENV = "VLLM_DSA_DBO_HARNESS_MEASURE"
 # Python's thread switch interval (seconds) in every vLLM process, if set.
 SWITCH_INTERVAL_ENV = "VLLM_DSA_DBO_HARNESS_SWITCH_INTERVAL"
@@ -37,6 +42,8 @@ LOG_EVERY = 50
 # and with MEASURE_ENV the measurements below.
 COUNTS: Counter[str] = Counter()
 MEASURED: dict = {"from_call": None, "seconds": [], "profile": None}
+# What this process changed in vLLM's own checks and yields.
+GATES: list[str] = []
 
 
 def register() -> None:
@@ -46,8 +53,11 @@ def register() -> None:
 
     if getattr(config_module, "_dsa_dbo_harness", False):
         return
-    _allow_naive_all2all_under_dbo(config_module)
-    _naive_prepare_finalize_yields()
+    if os.environ.get(GATES_ENV, "1") != "0":
+        _allow_naive_all2all_under_dbo(config_module)
+        _naive_prepare_finalize_yields()
+        GATES.extend(["dbo_all2all_allow_list+allgather_reducescatter",
+                      "naive_dp_ep.supports_dbo=True", "naive_dp_ep.yield_at_graph_capture"])
     _reinit_dummy_weights()
     _count_microbatched_steps()
     if os.environ.get(SWITCH_INTERVAL_ENV):
