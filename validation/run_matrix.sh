@@ -12,7 +12,8 @@
 # eager, ll* low-latency with FULL decode graphs; f = fp8 KV cache, htf also
 # prefix caching) use the hidden-2048 model and lift no vLLM check; be_<backend>
 # runs force one sparse MLA backend on DeepEP high-throughput (be_auto: vLLM's
-# own choice), be_*f with fp8 KV.
+# own choice), be_*f with fp8 KV. nf_* is the naive backend (harness gates)
+# with fp8 KV and prefix caching.
 set -uo pipefail
 . /tmp/gpu/env.sh
 out="$1"; shift
@@ -35,6 +36,9 @@ HT="--all2all deepep_ht" LL="--all2all deepep_ll" F8="--kv-cache-dtype fp8"
 FA=FLASH_ATTN_MLA_SPARSE FI=FLASHINFER_MLA_SPARSE_SM90
 spec() {  # NAME -> "model fix mode dbo-args"; a number N as model means freqN
   case "$1" in
+    nf_off_a|nf_off_b)  echo "4 on eager $F8 --prefix-caching" ;;
+    nf_on_stock)        echo "4 off eager --dbo $F8 --prefix-caching" ;;
+    nf_on_fix)          echo "4 on eager --dbo $F8 --prefix-caching" ;;
     ht_off_a|ht_off_b)  echo "deepep4 on eager $HT" ;;
     ht_on_stock)        echo "deepep4 off eager --dbo $HT" ;;
     ht_on_fix)          echo "deepep4 on eager --dbo $HT" ;;
@@ -118,7 +122,7 @@ one() {
   local deep_gemm=""
   case "$name" in chk_*) check=audit ;; perf_*) measure=1 ;; esac
   # The upstream PR's DeepEP configuration: no DeepGEMM for GEMMs and MoE.
-  case "$name" in ht*|ll*|be_*) check=audit deep_gemm=0 ;; esac
+  case "$name" in ht*|ll*|be_*) check=audit deep_gemm=0 ;; nf_*) check=audit ;; esac
   local t0=$SECONDS
   VLLM_DSA_DBO_DISABLE="$disable" VLLM_DSA_DBO_CHECK="$check" VLLM_DSA_DBO_HARNESS_MEASURE="$measure" \
     env ${deep_gemm:+VLLM_USE_DEEP_GEMM=0 VLLM_MOE_USE_DEEP_GEMM=0} timeout "${RUN_TIMEOUT:-420}" python -m dsa_dbo_harness.run \
