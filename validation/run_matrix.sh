@@ -123,9 +123,12 @@ one() {
   case "$name" in chk_*) check=audit ;; perf_*) measure=1 ;; esac
   # The upstream PR's DeepEP configuration: no DeepGEMM for GEMMs and MoE.
   case "$name" in ht*|ll*|be_*) check=audit deep_gemm=0 ;; nf_*) check=audit ;; esac
+  # DeepEP low-latency asserts NVSHMEM_QP_DEPTH (default 1024) >= 2 * (dispatch cap + 1),
+  # and vLLM's cap is max_num_batched_tokens (4096 here).
+  local qp_depth=""; case "$name" in ll*) qp_depth=8200 ;; esac
   local t0=$SECONDS
   VLLM_DSA_DBO_DISABLE="$disable" VLLM_DSA_DBO_CHECK="$check" VLLM_DSA_DBO_HARNESS_MEASURE="$measure" \
-    env ${deep_gemm:+VLLM_USE_DEEP_GEMM=0 VLLM_MOE_USE_DEEP_GEMM=0} timeout "${RUN_TIMEOUT:-420}" python -m dsa_dbo_harness.run \
+    env ${deep_gemm:+VLLM_USE_DEEP_GEMM=0 VLLM_MOE_USE_DEEP_GEMM=0} ${qp_depth:+NVSHMEM_QP_DEPTH=$qp_depth} timeout "${RUN_TIMEOUT:-420}" python -m dsa_dbo_harness.run \
     --model "$models/$model" --mode "$mode" $rest \
     --gpu-memory-utilization "${GPU_UTIL:-$util}" --out "$out/$name.json" > "$out/$name.log" 2>&1
   echo "$name rc=$? $((SECONDS - t0))s $(grep -h '^WROTE' "$out/$name.log" | cut -c1-300)"
