@@ -33,44 +33,36 @@ for freq in (1, 4):
 PY
 
 HT="--all2all deepep_ht" LL="--all2all deepep_ll" F8="--kv-cache-dtype fp8"
-FA=FLASH_ATTN_MLA_SPARSE FI=FLASHINFER_MLA_SPARSE_SM90
-spec() {  # NAME -> "model fix mode dbo-args"; a number N as model means freqN
+family() {  # FAMILY -> "model mode args" of a run set FAMILY_{off_a,off_b,on_stock,on_fix}
   case "$1" in
-    nf_off_a|nf_off_b)  echo "4 on eager $F8 --prefix-caching" ;;
-    nf_on_stock)        echo "4 off eager --dbo $F8 --prefix-caching" ;;
-    nf_on_fix)          echo "4 on eager --dbo $F8 --prefix-caching" ;;
-    ht_off_a|ht_off_b)  echo "deepep4 on eager $HT" ;;
-    ht_on_stock)        echo "deepep4 off eager --dbo $HT" ;;
-    ht_on_fix)          echo "deepep4 on eager --dbo $HT" ;;
-    htf_off_a|htf_off_b) echo "deepep4 on eager $HT $F8 --prefix-caching" ;;
-    htf_on_stock)       echo "deepep4 off eager --dbo $HT $F8 --prefix-caching" ;;
-    htf_on_fix)         echo "deepep4 on eager --dbo $HT $F8 --prefix-caching" ;;
-    llf_off_a|llf_off_b) echo "deepep4 on graph $LL $F8" ;;
-    llf_on_stock)       echo "deepep4 off graph --dbo $LL $F8" ;;
-    llf_on_fix)         echo "deepep4 on graph --dbo $LL $F8" ;;
-    htv2_off_a|htv2_off_b) echo "deepep4 on v2 $HT" ;;
-    htv2_on_stock)      echo "deepep4 off v2 --dbo $HT" ;;
-    htv2_on_fix)        echo "deepep4 on v2 --dbo $HT" ;;
-    htp_on_stock)       echo "deepep4 off eager --dbo $HT --dbo-decode-token-threshold 100000" ;;
-    htp_on_fix)         echo "deepep4 on eager --dbo $HT --dbo-decode-token-threshold 100000" ;;
-    ht1_off)            echo "deepep1 on eager $HT" ;;
-    ht1_on_stock)       echo "deepep1 off eager --dbo $HT" ;;
-    ht1_on_fix)         echo "deepep1 on eager --dbo $HT" ;;
-    be_auto_off_a|be_auto_off_b) echo "deepep4 on eager $HT --attention-backend auto" ;;
-    be_auto_on_stock)   echo "deepep4 off eager --dbo $HT --attention-backend auto" ;;
-    be_auto_on_fix)     echo "deepep4 on eager --dbo $HT --attention-backend auto" ;;
-    be_autof_off_a|be_autof_off_b) echo "deepep4 on eager $HT $F8 --attention-backend auto" ;;
-    be_autof_on_stock)  echo "deepep4 off eager --dbo $HT $F8 --attention-backend auto" ;;
-    be_autof_on_fix)    echo "deepep4 on eager --dbo $HT $F8 --attention-backend auto" ;;
-    be_fa_off_a|be_fa_off_b) echo "deepep4 on eager $HT --attention-backend $FA" ;;
-    be_fa_on_stock)     echo "deepep4 off eager --dbo $HT --attention-backend $FA" ;;
-    be_fa_on_fix)       echo "deepep4 on eager --dbo $HT --attention-backend $FA" ;;
-    be_fi_off_a|be_fi_off_b) echo "deepep4 on eager $HT --attention-backend $FI" ;;
-    be_fi_on_stock)     echo "deepep4 off eager --dbo $HT --attention-backend $FI" ;;
-    be_fi_on_fix)       echo "deepep4 on eager --dbo $HT --attention-backend $FI" ;;
-    be_fif_off_a|be_fif_off_b) echo "deepep4 on eager $HT $F8 --attention-backend $FI" ;;
-    be_fif_on_stock)    echo "deepep4 off eager --dbo $HT $F8 --attention-backend $FI" ;;
-    be_fif_on_fix)      echo "deepep4 on eager --dbo $HT $F8 --attention-backend $FI" ;;
+    nf)       echo "4 eager $F8 --prefix-caching" ;;
+    ht)       echo "deepep4 eager $HT" ;;
+    htf)      echo "deepep4 eager $HT $F8 --prefix-caching" ;;
+    llf)      echo "deepep4 graph $LL $F8" ;;
+    htv2)     echo "deepep4 v2 $HT" ;;
+    htp)      echo "deepep4 eager $HT --dbo-decode-token-threshold 100000" ;;
+    ht1)      echo "deepep1 eager $HT" ;;
+    be_auto)  echo "deepep4 eager $HT --attention-backend auto" ;;
+    be_autof) echo "deepep4 eager $HT $F8 --attention-backend auto" ;;
+    be_fa)    echo "deepep4 eager $HT --attention-backend FLASH_ATTN_MLA_SPARSE" ;;
+    be_fi)    echo "deepep4 eager $HT --attention-backend FLASHINFER_MLA_SPARSE_SM90" ;;
+    be_fif)   echo "deepep4 eager $HT $F8 --attention-backend FLASHINFER_MLA_SPARSE_SM90" ;;
+    *) return 1 ;;
+  esac
+}
+spec() {  # NAME -> "model fix mode dbo-args"; a number N as model means freqN
+  local fam="${1%_off*}" run found model mode args
+  [ "$fam" = "$1" ] && fam="${1%_on_*}"
+  run="${1#"$fam"_}"
+  if found="$(family "$fam")"; then
+    read -r model mode args <<< "$found"
+    case "$run" in
+      off|off_a|off_b) echo "$model on $mode $args"; return ;;
+      on_stock)        echo "$model off $mode --dbo $args"; return ;;
+      on_fix)          echo "$model on $mode --dbo $args"; return ;;
+    esac
+  fi
+  case "$1" in
     off_a|off_b)        echo "4 on eager" ;;
     off_stock)          echo "4 off eager" ;;
     on_stock)           echo "4 off eager --dbo" ;;
