@@ -47,6 +47,8 @@ family() {  # FAMILY -> "model mode args" of a run set FAMILY_{off_a,off_b,on_st
     be_fa)    echo "deepep4 eager $HT --attention-backend FLASH_ATTN_MLA_SPARSE" ;;
     be_fi)    echo "deepep4 eager $HT --attention-backend FLASHINFER_MLA_SPARSE_SM90" ;;
     be_fif)   echo "deepep4 eager $HT $F8 --attention-backend FLASHINFER_MLA_SPARSE_SM90" ;;
+    perf_ht)  echo "deepep4 eager $HT --max-tokens 120" ;;
+    perf_llf) echo "deepep4 graph $LL $F8 --max-tokens 120" ;;
     *) return 1 ;;
   esac
 }
@@ -115,9 +117,10 @@ one() {
   case "$name" in chk_*) check=audit ;; perf_*) measure=1 ;; esac
   # The upstream PR's DeepEP configuration: no DeepGEMM for GEMMs and MoE.
   case "$name" in ht*|ll*|be_*) check=audit deep_gemm=0 ;; nf_*) check=audit ;; esac
+  case "$name" in perf_ht*|perf_ll*) deep_gemm=0 ;; esac
   # DeepEP low-latency asserts NVSHMEM_QP_DEPTH (default 1024) >= 2 * (dispatch cap + 1),
   # and vLLM's cap is max_num_batched_tokens (4096 here).
-  local qp_depth=""; case "$name" in ll*) qp_depth=8200 ;; esac
+  local qp_depth=""; case "$name" in ll*|perf_ll*) qp_depth=8200 ;; esac
   local t0=$SECONDS
   VLLM_DSA_DBO_DISABLE="$disable" VLLM_DSA_DBO_CHECK="$check" VLLM_DSA_DBO_HARNESS_MEASURE="$measure" \
     env ${deep_gemm:+VLLM_USE_DEEP_GEMM=0 VLLM_MOE_USE_DEEP_GEMM=0} ${qp_depth:+NVSHMEM_QP_DEPTH=$qp_depth} timeout "${RUN_TIMEOUT:-420}" python -m dsa_dbo_harness.run \

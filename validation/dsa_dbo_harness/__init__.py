@@ -137,8 +137,9 @@ def start_measuring(worker) -> None:
 def _measured(call):
     """Wall time of one microbatched forward between two device syncs (the
     syncs are outside it, the same for every run); the PROFILED_FORWARD-th is
-    profiled instead: CUDA kernels launched, synchronizing calls made, and the
-    host operators taking the most time of their own (all threads)."""
+    profiled instead: CUDA kernels launched, synchronizing calls made, the
+    host operators taking the most time of their own (all threads) and the
+    time spent in the product's own Python frames."""
     import torch
 
     index = COUNTS["ubatched_calls"] - MEASURED["from_call"]
@@ -158,10 +159,13 @@ def _measured(call):
         with warnings.catch_warnings(record=True) as caught, profile(
             activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
             experimental_config=all_threads,
+            with_stack=True,
         ) as prof:
             warnings.simplefilter("always")
+            start = time.perf_counter()
             out = call()
             torch.cuda.synchronize()
+            wall_us = (time.perf_counter() - start) * 1e6
     finally:
         torch.cuda.set_sync_debug_mode("default")
     kernels = Counter(e.name for e in prof.events() if e.device_type == DeviceType.CUDA)
@@ -171,6 +175,12 @@ def _measured(call):
         "kernels_by_name": dict(kernels),
         "sync_warnings": sum("synchroniz" in str(w.message) for w in caught),
         "host_ops_all_threads": all_threads is not None,
+        # Python frames of the product (with_stack's function events, which
+        # key_averages leaves out): the fix's own host time, profiler overhead included.
+        "fix_frames_self_cpu_us": sum(
+            e.self_cpu_time_total for e in prof.events() if _is_fix_frame(e.name)
+        ),
+        "profiled_wall_us": wall_us,
         "host_ops_by_self_time": [
             {"name": e.key, "calls": e.count, "self_cpu_us": e.self_cpu_time_total,
              "cpu_us": e.cpu_time_total}
@@ -178,6 +188,10 @@ def _measured(call):
         ],
     }
     return out
+
+
+def _is_fix_frame(name: str) -> bool:
+    return "vllm_dsa_dbo" in name and "dsa_dbo_harness" not in name
 
 
 def _all_threads_config():
