@@ -153,6 +153,11 @@ def fake_flash_attn(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, interface.__name__, interface)
 
 
+def concat_mla_q(nope: torch.Tensor, pe: torch.Tensor, out: torch.Tensor) -> None:
+    """vLLM's op: the query halves side by side, into the first heads of `out`."""
+    out[:, : nope.shape[1]].copy_(torch.cat((nope, pe), -1))
+
+
 def install_kernels(variant: Variant, monkeypatch) -> Kernels:
     import flashinfer.decode
 
@@ -162,7 +167,8 @@ def install_kernels(variant: Variant, monkeypatch) -> Kernels:
     kernels = Kernels()
     if variant.backend.startswith("FLASH_ATTN"):
         fake_flash_attn(monkeypatch)
-        monkeypatch.setattr(variant.module, "flash_attn_varlen_func", kernels.flash_attn_varlen_func)
+        monkeypatch.setattr(variant.module, "flash_attn_varlen_func",
+                            kernels.flash_attn_varlen_func)
     monkeypatch.setattr(flashinfer.decode, "trtllm_batch_decode_with_kv_cache_mla",
                         kernels.trtllm_decode)
     monkeypatch.setattr(vllm_flashinfer, "flashinfer_trtllm_batch_decode_with_kv_cache_mla",
@@ -172,8 +178,7 @@ def install_kernels(variant: Variant, monkeypatch) -> Kernels:
         monkeypatch.setattr(variant.module, "flash_mla_sparse_fwd", kernels.flash_mla_sparse_fwd)
         monkeypatch.setattr(variant.module, "flash_mla_with_kvcache",
                             kernels.flash_mla_with_kvcache)
-        monkeypatch.setattr(_custom_ops, "concat_mla_q",
-                            lambda nope, pe, out: out[:, : nope.shape[1]].copy_(torch.cat((nope, pe), -1)))
+        monkeypatch.setattr(_custom_ops, "concat_mla_q", concat_mla_q)
     if variant.backend == "XPU_MLA_SPARSE":
         monkeypatch.setattr(variant.module, "triton_bf16_mla_sparse_interface", kernels.xpu_sparse)
     return kernels
@@ -197,15 +202,15 @@ def sparse_env(fake_gpu, monkeypatch):
 class BackendStack:
     """Four sparse MLA layers of one backend sharing an index-group builder."""
 
-    def __init__(self, variant: Variant, monkeypatch, num_ubatches: int | None = 2,
+    def __init__(self, variant: Variant, monkeypatch, num_ubatches: int = 2,
                  leaders: list[bool] = LEADERS) -> None:
         from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroupBuilder
 
         self.variant, self.leaders = variant, leaders
         self.kernels = install_kernels(variant, monkeypatch)
         self.buffer = torch.full((MAX_NUM_BATCHED_TOKENS, INDEX_TOPK), -1, dtype=torch.int32)
-        kwargs = {} if num_ubatches is None else {"num_ubatches": num_ubatches}
-        self.builder = SparseMLAIndexGroupBuilder(self.buffer, MAX_DECODE_ROWS, **kwargs)
+        self.builder = SparseMLAIndexGroupBuilder(
+            self.buffer, MAX_DECODE_ROWS, num_ubatches=num_ubatches)
         self.impls = [self.new_impl(self.builder, self.buffer, leads) for leads in leaders]
         self.attns = [self.module_of(impl, leads) for impl, leads in zip(self.impls, leaders)]
         self.metadata = [self.new_metadata(u) for u in (0, 1)]
@@ -279,9 +284,13 @@ class BackendStack:
         state.wrapper.run = self.kernels.sm90_run(state, num_tokens)
         return state
 
-    def query(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        h = self.variant.num_heads
-        return torch.zeros(n, h, 512, dtype=torch.bfloat16), torch.zeros(n, h, 64, dtype=torch.bfloat16)
+    def forward(self, impl: Any, ubatch: int, meta: SimpleNamespace) -> tuple:
+        """`impl.forward_mqa` on microbatch `ubatch`'s query; what its kernel read."""
+        n, h = TOKENS_PER_UBATCH[ubatch], self.variant.num_heads
+        q = tuple(torch.zeros(n, h, width, dtype=torch.bfloat16) for width in (512, 64))
+        layer = SimpleNamespace(_k_scale_float=1.0, _q_scale_float=1.0)
+        impl.forward_mqa(q, self.kv_cache, meta, layer)
+        return self.kernels.reads.pop()
 
     def lead(self, layer: int, ubatch: int) -> None:
         """A leader's writes through its attention module, then its ready event."""
@@ -291,14 +300,6 @@ class BackendStack:
         if hasattr(self.impls[layer], "record_logical_topk_ready"):
             self.impls[layer].record_logical_topk_ready()
 
-    def read(self, layer: int, ubatch: int, meta: SimpleNamespace | None = None) -> tuple:
-        """One layer's forward_mqa; what its kernel read."""
-        layer_module = SimpleNamespace(_k_scale_float=1.0, _q_scale_float=1.0)
-        q = self.query(TOKENS_PER_UBATCH[ubatch])
-        meta = self.metadata[ubatch] if meta is None else meta
-        self.impls[layer].forward_mqa(q, self.kv_cache, meta, layer_module)
-        return self.kernels.reads.pop()
-
     def alone(self, source: Source) -> tuple:
         """What the impl's kernel reads for `source`'s top-k in a layer of its own."""
         from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroupBuilder
@@ -307,10 +308,10 @@ class BackendStack:
         impl = self.new_impl(SparseMLAIndexGroupBuilder(buffer, MAX_DECODE_ROWS), buffer, True)
         logical = self.inputs[source.ubatch, source.leader]
         buffer[: logical.shape[0]] = logical
-        layer_module = SimpleNamespace(_k_scale_float=1.0, _q_scale_float=1.0)
-        q = self.query(logical.shape[0])
-        impl.forward_mqa(q, self.kv_cache, self.new_metadata(source.ubatch), layer_module)
-        return self.kernels.reads.pop()
+        return self.forward(impl, source.ubatch, self.new_metadata(source.ubatch))
+
+    def leader_of(self, layer: int) -> int:
+        return max(i for i in range(layer + 1) if self.leaders[i])
 
     def run_step(self) -> list[tuple[int, int]]:
         """One DBO step; the (layer, microbatch) reads that got another top-k."""
@@ -324,15 +325,15 @@ class BackendStack:
             for layer, leads in enumerate(self.leaders):
                 if leads:
                     self.lead(layer, ubatch)
-                raw[layer, ubatch] = self.read(layer, ubatch)
+                raw[layer, ubatch] = self.forward(
+                    self.impls[layer], ubatch, self.metadata[ubatch])
                 dbo_yield()
 
         run_dbo_step(step)
         expected = {Source(u, i): self.alone(Source(u, i)) for u, i in self.inputs}
         return [
             (layer, u) for (layer, u), read in sorted(raw.items())
-            if not _same(read, expected[Source(u, max(i for i in range(layer + 1)
-                                                      if self.leaders[i]))])
+            if not _same(read, expected[Source(u, self.leader_of(layer))])
         ]
 
 
