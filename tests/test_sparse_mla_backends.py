@@ -159,21 +159,23 @@ def concat_mla_q(nope: torch.Tensor, pe: torch.Tensor, out: torch.Tensor) -> Non
 
 
 def install_kernels(variant: Variant, monkeypatch) -> Kernels:
-    import flashinfer.decode
-
     from vllm import _custom_ops
     from vllm.utils import flashinfer as vllm_flashinfer
 
     kernels = Kernels()
+    monkeypatch.setenv("VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE", str(1 << 20))
     if variant.backend.startswith("FLASH_ATTN"):
         fake_flash_attn(monkeypatch)
         monkeypatch.setattr(variant.module, "flash_attn_varlen_func",
                             kernels.flash_attn_varlen_func)
-    monkeypatch.setattr(flashinfer.decode, "trtllm_batch_decode_with_kv_cache_mla",
-                        kernels.trtllm_decode)
-    monkeypatch.setattr(vllm_flashinfer, "flashinfer_trtllm_batch_decode_with_kv_cache_mla",
-                        kernels.trtllm_decode)
-    monkeypatch.setenv("VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE", str(1 << 20))
+    if variant.backend in ("FLASHINFER_MLA_SPARSE", "FLASH_ATTN_MLA_SPARSE_FA4"):
+        import flashinfer.decode  # seconds to import: only where it runs
+
+        monkeypatch.setattr(flashinfer.decode, "trtllm_batch_decode_with_kv_cache_mla",
+                            kernels.trtllm_decode)
+    if variant.backend == "FLASHINFER_MLA_SPARSE_SM120":
+        monkeypatch.setattr(vllm_flashinfer, "flashinfer_trtllm_batch_decode_with_kv_cache_mla",
+                            kernels.trtllm_decode)
     if variant.backend == "FLASHMLA_SPARSE":
         monkeypatch.setattr(variant.module, "flash_mla_sparse_fwd", kernels.flash_mla_sparse_fwd)
         monkeypatch.setattr(variant.module, "flash_mla_with_kvcache",
