@@ -23,8 +23,9 @@ from torch.compiler import is_dynamo_compiling
 from vllm.utils.torch_utils import _resolve_layer_name
 from vllm.v1.worker import ubatching
 
-# DBO registers each microbatch thread here (and only mutates the dict).
-_UBATCH_ID_OF_THREAD: dict[int, int] = ubatching._THREAD_ID_TO_CONTEXT
+# DBO registers each microbatch thread here (and only mutates the dict); the
+# index_group patch checks that at registration, and stays out if it moved.
+_UBATCH_ID_OF_THREAD: dict[int, int] = getattr(ubatching, "_THREAD_ID_TO_CONTEXT", {})
 
 
 def current_ubatch_id() -> int:
