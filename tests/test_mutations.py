@@ -1,5 +1,6 @@
-"""The core test (and the HYV4, ROCm DSA and compiled DSA tests for their patches) fails when any part of
-the fix is removed from the source.
+"""The core test (and the HYV4, ROCm DSA and compiled DSA tests for their patches, and the
+loader, guard and live-check tests for theirs) fails when any part of the fix is removed from
+the source.
 
 Each mutation edits a copy of the package and runs its test against it
 in a fresh interpreter, as a reviewer would check it by hand.
@@ -25,6 +26,13 @@ HYV4_TEST = "tests/test_hy_v4.py::test_hy_v4_followers_read_their_own_leaders_to
 ROCM_TEST = "tests/test_rocm_dsa.py::test_rocm_dsa_followers_read_their_own_leaders_topk"
 COMPILED_TEST = "tests/test_deepseek_v2.py::test_compiled_dsa_followers_read_their_own_leaders_topk"
 TRACED_TEST = "tests/test_deepseek_v2.py::test_traced_code_reads_microbatch_0s_group_state"
+LOADER_TEST = "tests/test_loaders.py::test_refused_model_is_refused_whichever_loader_builds_it"
+ALIAS_TEST = "tests/test_loaders.py::test_loaders_imported_before_registration_get_the_check"
+GUARD_TEST = "tests/test_guard.py::test_other_version_refuses_dbo_with_shared_topk_and_runs_the_rest"
+UPSTREAM_TEST = "tests/test_guard.py::test_vllm_with_the_upstream_fix_is_left_alone"
+UNWIRED_TEST = (
+    "tests/test_live_checks.py::test_failed_check_leaves_its_path_unwired_and_the_model_refused"
+)
 
 MUTATIONS = {
     "index group always returns microbatch 0's state": (
@@ -117,6 +125,68 @@ MUTATIONS = {
         "        pass\n",
         COMPILED_TEST,
     ),
+    "only base_loader's alias of initialize_model checked (IPC loader)": (
+        "patches/base_loader.py",
+        '    replace_function(target, "initialize_model", checked_build(target.initialize_model))\n',
+        "    __import__(target.__name__.replace('utils', 'base_loader'), fromlist=['x'])"
+        ".initialize_model = checked_build(target.initialize_model)\n",
+        f"{LOADER_TEST}[ipc_cache]",
+    ),
+    "vLLM-tensorized models built unchecked": (
+        "patches/tensorizer.py",
+        '    replace_function(target, "init_tensorizer_model", '
+        "checked_build(target.init_tensorizer_model))\n",
+        "    pass\n",
+        f"{LOADER_TEST}[tensorizer_vllm_tensorized]",
+    ),
+    "modules that imported a build function before registration keep vLLM's": (
+        "patches/__init__.py",
+        "        if getattr(holder, name, None) is stock:\n",
+        "        if False:\n",
+        ALIAS_TEST,
+    ),
+    "other vLLM versions refuse nothing": (
+        "guard.py",
+        "        refuse_unfixed(self, why)\n",
+        "        pass\n",
+        GUARD_TEST,
+    ),
+    "a vLLM carrying the upstream fix is patched anyway": (
+        "guard.py",
+        '            and "num_ubatches" in inspect.signature(init).parameters\n',
+        "            and False\n",
+        UPSTREAM_TEST,
+    ),
+    "thread registry not checked": (
+        "patches/index_group.py",
+        "    return thread_registry_mismatch() or builder_mismatch(target.SparseMLAIndexGroupBuilder)\n",
+        "    return builder_mismatch(target.SparseMLAIndexGroupBuilder)\n",
+        UNWIRED_TEST,
+    ),
+    "index-group builder signature not checked": (
+        "patches/index_group.py",
+        "        if found[: len(names)] != names:\n",
+        "        if False:\n",
+        "tests/test_live_checks.py::test_builder_signature_check",
+    ),
+    "indexer op body's cell not checked": (
+        "patches/sparse_attn_indexer.py",
+        '    if kernel is not getattr(op_body, "__wrapped__", None):\n',
+        "    if False:\n",
+        "tests/test_live_checks.py::test_op_body_check[other_cell]",
+    ),
+    "patches applied without the patches they need": (
+        "patches/__init__.py",
+        "        missing = [r for r in requires if result[r] is not None]\n",
+        "        missing = []\n",
+        UNWIRED_TEST,
+    ),
+    "vLLM's own groups (index_group unapplied) not refused": (
+        "patches/base_loader.py",
+        "        return num_ubatches > 1 and reads_another_layers_topk(group)\n",
+        "        return False\n",
+        UNWIRED_TEST,
+    ),
 }
 
 
@@ -156,5 +226,5 @@ def test_core_test_fails_under_mutation(name, tmp_path):
     result = run_test(tmp_path, test)
 
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "AssertionError" in result.stdout
+    assert "AssertionError" in result.stdout or "DID NOT RAISE" in result.stdout
     assert "1 failed" in result.stdout

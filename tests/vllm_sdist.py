@@ -1,9 +1,14 @@
-"""vLLM's own tests, from its PyPI sdist: fetched through pip's configured index.
+"""vLLM's own tests, from its PyPI sdist, run stock and with the plugin loaded.
 
 pip cannot prepare vLLM's sdist metadata without its build dependencies, so
-the file itself is fetched through the index's simple API, checked against the
-sha256 the index gives, and cached. `python tests/vllm_sdist.py [DIR]` fetches
-it (into DIR, else the cache) and prints its path.
+the file itself is fetched through pip's configured index (its simple API),
+checked against the sha256 the index gives, and cached.
+
+    python tests/vllm_sdist.py fetch [DIR]      # fetch into DIR (else the cache), print the path
+    python tests/vllm_sdist.py run PYTEST_ARGS  # run vLLM's tests stock and with the plugin
+
+`run` takes the sdist from $VLLM_DSA_DBO_SDIST, else the cache (fetching it),
+prints both pytest summaries and exits 1 if any test's outcome differs.
 """
 
 from __future__ import annotations
@@ -14,7 +19,10 @@ import os
 import subprocess
 import sys
 import tarfile
+import tempfile
 import urllib.request
+import xml.etree.ElementTree as ET
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 VERSION = "0.33.0"
@@ -95,8 +103,69 @@ def extract_tests(sdist: Path, dest: Path) -> Path:
     return root
 
 
+# Stock: no plugin loads (VLLM_PLUGINS matches none). With the plugin: registered
+# before collection, and the run stops unless it patched vLLM.
+RUNNERS = {
+    "stock": "import sys, pytest; sys.exit(pytest.main(sys.argv[1:]))",
+    "plugin": (
+        "import sys, pytest, vllm_dsa_dbo; vllm_dsa_dbo.register(); "
+        "from vllm.v1.attention.backends.mla import index_group; "
+        "getattr(index_group, '_vllm_dsa_dbo_patched', False) or sys.exit('not patched'); "
+        "sys.exit(pytest.main(sys.argv[1:]))"
+    ),
+}
+
+
+def run(root: Path, args: list[str], mode: str) -> tuple[str, dict[str, str]]:
+    """One pytest run of vLLM's tests under `root`: its summary line and each test's outcome."""
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS" and "DSA_DBO" not in k}
+    if mode == "stock":
+        env["VLLM_PLUGINS"] = ""
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "report.xml"
+        result = subprocess.run(
+            [sys.executable, "-c", RUNNERS[mode], "-q", "-p", "no:cacheprovider",
+             f"--junitxml={report}", *args],
+            cwd=root,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        lines = result.stdout.strip().splitlines() or [result.stderr.strip()[-2000:]]
+        if not report.is_file():
+            return f"{mode}: no report ({lines[-1]})", {}
+        outcomes = {}
+        for case in ET.parse(report).iter("testcase"):
+            kinds = [child.tag for child in case if child.tag in ("failure", "error", "skipped")]
+            outcomes[f"{case.get('classname')}::{case.get('name')}"] = (kinds or ["passed"])[0]
+    return f"{mode}: {lines[-1]}", outcomes
+
+
+def compare(root: Path, args: list[str]) -> dict[str, tuple[str, dict[str, str]]]:
+    """The stock and the plugin run, side by side (each is one process)."""
+    with ThreadPoolExecutor(2) as pool:
+        runs = {mode: pool.submit(run, root, args, mode) for mode in RUNNERS}
+        return {mode: future.result() for mode, future in runs.items()}
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["fetch"] and len(argv) <= 2:
+        print(fetch(Path(argv[1]) if len(argv) > 1 else CACHE))
+        return 0
+    if argv[:1] != ["run"] or len(argv) < 2:
+        print(__doc__, file=sys.stderr)
+        return 2
+    root = extract_tests(fetch(), CACHE / "src")
+    runs = compare(root, argv[1:])
+    for summary, _ in runs.values():
+        print(summary)
+    same = runs["stock"][1] == runs["plugin"][1] and runs["stock"][1]
+    print("same outcomes, test by test" if same else "OUTCOMES DIFFER (or nothing ran)")
+    return 0 if same else 1
+
+
 if __name__ == "__main__":
     try:
-        print(fetch(Path(sys.argv[1]) if len(sys.argv) > 1 else CACHE))
+        sys.exit(main(sys.argv[1:]))
     except SdistUnavailable as e:
         sys.exit(f"error: {e}")
