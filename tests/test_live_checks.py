@@ -58,7 +58,8 @@ def test_builder_signature_check():
 
 
 def buffer_mixin(fget) -> SimpleNamespace:
-    mixin = type("SharedTopkIndicesBuffer", (), {"topk_indices_buffer": property(fget, lambda s, b: None)})
+    buffer = property(fget, lambda self, value: None)
+    mixin = type("SharedTopkIndicesBuffer", (), {"topk_indices_buffer": buffer})
     return SimpleNamespace(SharedTopkIndicesBuffer=mixin)
 
 
@@ -94,7 +95,9 @@ def op_module(body, wraps=kernel) -> SimpleNamespace:
     [
         pytest.param(lambda: op_module(kernel), None, id="as_vllm"),
         pytest.param(
-            lambda: SimpleNamespace(sparse_attn_indexer=kernel), "no longer a wrapper", id="unwrapped"
+            lambda: SimpleNamespace(sparse_attn_indexer=kernel),
+            "no longer a wrapper",
+            id="unwrapped",
         ),
         pytest.param(lambda: op_module(renamed_kernel), "not the kernel it wraps", id="other_cell"),
         pytest.param(
@@ -143,7 +146,9 @@ LOAD_GLM5_STACK = """
         config.parallel_config.enable_dbo = True
         config.compilation_config.mode = CompilationMode.NONE
         try:
-            utils.initialize_model(config, model_class=Model, model_config=SimpleNamespace(hf_config=None))
+            utils.initialize_model(
+                config, model_class=Model, model_config=SimpleNamespace(hf_config=None)
+            )
             print("LOADED")
         except ValueError as e:
             print("REFUSED", " ".join(str(e).split()))
@@ -178,7 +183,8 @@ def test_failed_check_leaves_its_path_unwired_and_the_model_refused():
     assert "REFUSED vllm-dsa-dbo: Model shares top-k between layers" in broken.stdout
     warnings = [line for line in broken.stderr.splitlines() if "left unapplied" in line]
     assert len(warnings) == len(DEPENDENT)
-    assert any("index_group left unapplied: vllm.v1.worker.ubatching._THREAD" in w for w in warnings)
+    registry = "index_group left unapplied: vllm.v1.worker.ubatching._THREAD_ID_TO_CONTEXT"
+    assert any(registry in w for w in warnings)
 
 
 def test_unwired_load_check_falls_back_to_the_guard():

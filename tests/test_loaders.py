@@ -30,7 +30,11 @@ class RefusedModel(nn.Module):
 
 
 MODEL_CONFIG = SimpleNamespace(
-    dtype=torch.float32, hf_config=SimpleNamespace(), quantization=None, model="refused", revision=None
+    dtype=torch.float32,
+    hf_config=SimpleNamespace(),
+    quantization=None,
+    model="refused",
+    revision=None,
 )
 
 
@@ -52,16 +56,16 @@ def fake_modelexpress(monkeypatch) -> None:
 
 
 def fake_ipc_daemon(monkeypatch) -> None:
-    """A reachable weight-cache daemon on a CUDA-like platform, up to the build."""
+    """A weight-cache daemon on a CUDA-like platform that serves no tensors."""
     from vllm.model_executor.model_loader.weight_cache import ipc_loader
 
     monkeypatch.setattr(ipc_loader, "check_ipc_platform_support", lambda: None)
     monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
-    monkeypatch.setattr(
-        ipc_loader.IpcModelLoader,
-        "_fetch_entries",
-        lambda self, *args, **kwargs: SimpleNamespace(entries={}, attrs={}),
-    )
+    state = SimpleNamespace(entries={}, attrs={})
+    monkeypatch.setattr(ipc_loader.IpcModelLoader, "_fetch_entries", lambda self, *a, **k: state)
+    for step in ("_apply_entries", "_send_release", "_watch_daemon"):
+        monkeypatch.setattr(ipc_loader.IpcModelLoader, step, lambda self, *args: None)
+    monkeypatch.setattr(ipc_loader, "process_weights_after_loading", lambda *args: None)
 
 
 def fake_tensorizer_stream(vllm_tensorized: bool):
@@ -149,7 +153,8 @@ def test_loaders_imported_before_registration_get_the_check():
         holders = (utils, base_loader, tensorizer_loader, ipc_loader)
         print("BUILD", all(m.initialize_model.__wrapped__ is stock[0] for m in holders))
         tensorized = (tensorizer, tensorizer_loader)
-        print("TENSORIZED", all(m.init_tensorizer_model.__wrapped__ is stock[1] for m in tensorized))
+        print("TENSORIZED", all(m.init_tensorizer_model.__wrapped__ is stock[1]
+                                for m in tensorized))
         """
     )
     assert "BUILD True" in result.stdout, result.stderr[-3000:]

@@ -28,7 +28,9 @@ COMPILED_TEST = "tests/test_deepseek_v2.py::test_compiled_dsa_followers_read_the
 TRACED_TEST = "tests/test_deepseek_v2.py::test_traced_code_reads_microbatch_0s_group_state"
 LOADER_TEST = "tests/test_loaders.py::test_refused_model_is_refused_whichever_loader_builds_it"
 ALIAS_TEST = "tests/test_loaders.py::test_loaders_imported_before_registration_get_the_check"
-GUARD_TEST = "tests/test_guard.py::test_other_version_refuses_dbo_with_shared_topk_and_runs_the_rest"
+GUARD_TEST = (
+    "tests/test_guard.py::test_other_version_refuses_dbo_with_shared_topk_and_runs_the_rest"
+)
 UPSTREAM_TEST = "tests/test_guard.py::test_vllm_with_the_upstream_fix_is_left_alone"
 UNWIRED_TEST = (
     "tests/test_live_checks.py::test_failed_check_leaves_its_path_unwired_and_the_model_refused"
@@ -127,7 +129,8 @@ MUTATIONS = {
     ),
     "only base_loader's alias of initialize_model checked (IPC loader)": (
         "patches/base_loader.py",
-        '    replace_function(target, "initialize_model", checked_build(target.initialize_model))\n',
+        '    replace_function(target, "initialize_model", '
+        "checked_build(target.initialize_model))\n",
         "    __import__(target.__name__.replace('utils', 'base_loader'), fromlist=['x'])"
         ".initialize_model = checked_build(target.initialize_model)\n",
         f"{LOADER_TEST}[ipc_cache]",
@@ -159,7 +162,8 @@ MUTATIONS = {
     ),
     "thread registry not checked": (
         "patches/index_group.py",
-        "    return thread_registry_mismatch() or builder_mismatch(target.SparseMLAIndexGroupBuilder)\n",
+        "    return thread_registry_mismatch() or "
+        "builder_mismatch(target.SparseMLAIndexGroupBuilder)\n",
         "    return builder_mismatch(target.SparseMLAIndexGroupBuilder)\n",
         UNWIRED_TEST,
     ),

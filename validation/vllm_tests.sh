@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # vLLM 0.33.0's own sparse MLA backend tests on a GPU, stock and with vllm-dsa-dbo loaded:
 # prints both pytest summaries and whether every test's outcome is the same.
-#   python tests/vllm_sdist.py fetch .vllm-sdist     # here, before the sdist travels (ignored folder)
+#   python tests/vllm_sdist.py fetch .vllm-sdist  # here, before the tree travels (ignored folder)
 #   validation/vllm_tests.sh [PYTEST_ARGS]           # on the GPU machine
 # VLLM_DSA_DBO_SDIST names the sdist (default .vllm-sdist/vllm-0.33.0.tar.gz in this checkout).
 set -euo pipefail

@@ -70,7 +70,7 @@ def status(args: argparse.Namespace) -> int:
         print(f"vLLM: {vllm_version} ({'supported' if ok else 'NOT supported'}; this plugin supports {SUPPORTED_VLLM})")
         if not ok:
             problems.append(f"vLLM {vllm_version} is not {SUPPORTED_VLLM}: the plugin patches nothing")
-            print(f"guard: DBO with a DSA model with shared top-k layers is refused at {guard_seam()}")
+            print(f"guard: DBO with a shared-top-k DSA model is refused at {guard_seam()}")
 
     found = [e for e in entry_points(group=ENTRY_POINT_GROUP) if e.name == ENTRY_POINT_NAME]
     if found:
@@ -105,7 +105,7 @@ def status(args: argparse.Namespace) -> int:
             print(f"    LEFT UNAPPLIED here: {wiring[name]}")
             problems.append(f"patch {name} is left unapplied")
     if any(wiring.get(name) is not None for name in LOAD_CHECK_MODULES):
-        print(f"guard: DBO with a DSA model with shared top-k layers is refused at {guard_seam()}")
+        print(f"guard: DBO with a shared-top-k DSA model is refused at {guard_seam()}")
 
     if problems:
         print("fix NOT active: " + "; ".join(problems))
