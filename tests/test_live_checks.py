@@ -143,15 +143,16 @@ LOAD_GLM5_STACK = """
             self.layers = nn.ModuleList(attention_module(i, stack.buffer) for i in stack.impls)
 
     with cpu_dbo.cpu_vllm() as config, cpu_dbo.fake_streams():
-        config.parallel_config.enable_dbo = True
         config.compilation_config.mode = CompilationMode.NONE
-        try:
-            utils.initialize_model(
-                config, model_class=Model, model_config=SimpleNamespace(hf_config=None)
-            )
-            print("LOADED")
-        except ValueError as e:
-            print("REFUSED", " ".join(str(e).split()))
+        for dbo in (False, True):
+            config.parallel_config.enable_dbo = dbo
+            try:
+                utils.initialize_model(
+                    config, model_class=Model, model_config=SimpleNamespace(hf_config=None)
+                )
+                print("LOADED", dbo)
+            except ValueError as e:
+                print("REFUSED", dbo, " ".join(str(e).split()))
 """
 CPU_DBO = """
     import logging
@@ -175,12 +176,14 @@ DEPENDENT = [
 
 def test_failed_check_leaves_its_path_unwired_and_the_model_refused():
     wired = run_python(CPU_DBO, REGISTER, LOAD_GLM5_STACK)
-    assert "UNAPPLIED []" in wired.stdout and "LOADED" in wired.stdout, wired.stderr[-3000:]
+    assert "UNAPPLIED []" in wired.stdout, wired.stderr[-3000:]
+    assert "LOADED False" in wired.stdout and "LOADED True" in wired.stdout
     assert "keeps shared top-k per DBO microbatch: 2 microbatches" in wired.stderr
 
     broken = run_python(CPU_DBO, BREAK_REGISTRY, REGISTER, LOAD_GLM5_STACK)
     assert f"UNAPPLIED {DEPENDENT}" in broken.stdout, broken.stdout + broken.stderr[-3000:]
-    assert "REFUSED vllm-dsa-dbo: Model shares top-k between layers" in broken.stdout
+    assert "LOADED False" in broken.stdout
+    assert "REFUSED True vllm-dsa-dbo: Model shares top-k between layers" in broken.stdout
     warnings = [line for line in broken.stderr.splitlines() if "left unapplied" in line]
     assert len(warnings) == len(DEPENDENT)
     registry = "index_group left unapplied: vllm.v1.worker.ubatching._THREAD_ID_TO_CONTEXT"

@@ -159,3 +159,29 @@ def test_loaders_imported_before_registration_get_the_check():
     )
     assert "BUILD True" in result.stdout, result.stderr[-3000:]
     assert "TENSORIZED True" in result.stdout, result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("build", ["initialize_model", "init_tensorizer_model"])
+def test_startup_line_whichever_function_builds_the_model(fake_gpu, monkeypatch, caplog, build):
+    import logging
+
+    from vllm.config import CompilationMode
+    from vllm.model_executor.model_loader import tensorizer_loader
+
+    from vllm_dsa_dbo.demo import SharedTopkStack, attention_module
+
+    class Model(nn.Module):
+        def __init__(self, *, vllm_config=None, prefix: str = "") -> None:
+            super().__init__()
+            stack = SharedTopkStack([True, False, False], num_ubatches=None)
+            self.layers = nn.ModuleList(attention_module(i, stack.buffer) for i in stack.impls)
+
+    monkeypatch.setattr(fake_gpu.parallel_config, "enable_dbo", True)
+    monkeypatch.setattr(fake_gpu.compilation_config, "mode", CompilationMode.NONE)
+    caplog.set_level(logging.INFO, logger="vllm.dsa_dbo")
+    if build == "initialize_model":
+        tensorizer_loader.initialize_model(fake_gpu, model_class=Model, model_config=MODEL_CONFIG)
+    else:
+        config = SimpleNamespace(hf_config=SimpleNamespace(), dtype=torch.float32, model_class=Model)
+        tensorizer_loader.init_tensorizer_model(tensorizer_config=config, vllm_config=fake_gpu)
+    assert "Model keeps shared top-k per DBO microbatch: 2 microbatches" in caplog.text

@@ -144,7 +144,7 @@ MUTATIONS = {
     ),
     "modules that imported a build function before registration keep vLLM's": (
         "patches/__init__.py",
-        "        if getattr(holder, name, None) is stock:\n",
+        '        if getattr(holder, "__dict__", {}).get(name) is stock:\n',
         "        if False:\n",
         ALIAS_TEST,
     ),

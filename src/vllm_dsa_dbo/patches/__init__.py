@@ -44,7 +44,7 @@ PATCH_MODULES = (
     "tensorizer",
 )
 
-# Without these every build path is checked at load; else the guard refuses.
+# With these in force every model build is checked at load; without, the guard refuses.
 LOAD_CHECK_MODULES = frozenset({"base_loader", "tensorizer"})
 
 _APPLIED = "_vllm_dsa_dbo_patched"
@@ -74,7 +74,8 @@ def replace_function(module: ModuleType, name: str, replacement: Callable) -> No
     """
     stock = getattr(module, name)
     for holder in list(sys.modules.values()):
-        if getattr(holder, name, None) is stock:
+        # The module's own dict: a module-level __getattr__ may import or raise.
+        if getattr(holder, "__dict__", {}).get(name) is stock:
             setattr(holder, name, replacement)
     setattr(module, name, replacement)
 
@@ -108,11 +109,11 @@ def wire(apply: bool) -> dict[str, str | None]:
                 continue
             result[name] = f"cannot import {module.PATCH.target}: {e}"
             continue
-        if getattr(target, _APPLIED, False):
-            result[name] = None
-            continue
         requires = getattr(module, "REQUIRES", ())
         if any(r not in result for r in requires):  # needs a patch that does not matter here
+            continue
+        if getattr(target, _APPLIED, False):
+            result[name] = None
             continue
         missing = [r for r in requires if result[r] is not None]
         try:

@@ -104,7 +104,7 @@ def left_shared(group: Any, num_ubatches: int) -> bool:
 
 def describe(model: Any) -> str | None:
     """The startup line for `model`, or None when the fix allocated nothing."""
-    copied = [g for g in index_groups(model) if g.ubatch_logical_topk_indices]
+    copied = [g for g in index_groups(model) if getattr(g, "ubatch_logical_topk_indices", ())]
     if not copied:
         return None
     followed = followed_groups(copied)
