@@ -151,6 +151,19 @@ def test_vllm_with_the_upstream_fix_is_left_alone(tmp_path):
     assert "carries the upstream fix" in status.stdout and "stays out" in status.stdout
 
 
+def test_upstream_fix_detection(vllm_env, monkeypatch):
+    from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroupBuilder
+
+    assert not guard.upstream_fix_present()  # the plugin's own num_ubatches
+    stock_init = SparseMLAIndexGroupBuilder.__init__
+
+    def __init__(self, logical_topk_indices, max_decode_rows=None, *, num_ubatches=1):
+        stock_init(self, logical_topk_indices, max_decode_rows)
+
+    monkeypatch.setattr(SparseMLAIndexGroupBuilder, "__init__", __init__)
+    assert guard.upstream_fix_present()
+
+
 def test_failed_registration_never_raises_and_falls_back_to_the_guard(tmp_path):
     shared, own = model_folders(tmp_path)
     result = run_python(

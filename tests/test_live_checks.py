@@ -32,11 +32,12 @@ from vllm_dsa_dbo.patches import sparse_mla_attention, tensorizer
     ids=["registry_rebound", "threads_registered_elsewhere", "vllm_reads_elsewhere"],
 )
 def test_thread_registry_check(monkeypatch, attribute, replacement, reason):
+    from vllm.v1.attention.backends.mla import index_group as target
     from vllm.v1.worker import ubatching
 
-    assert index_group.thread_registry_mismatch() is None
+    assert index_group.check(target) is None
     monkeypatch.setattr(ubatching, attribute, replacement(ubatching))
-    found = index_group.thread_registry_mismatch()
+    found = index_group.check(target)
     assert found is not None and reason in found
     assert not ubatching._THREAD_ID_TO_CONTEXT
 
@@ -113,6 +114,18 @@ def test_op_body_check(target, reason):
         assert found is None
     else:
         assert found is not None and reason in found
+
+
+def test_groups_no_patch_touched_are_refused_under_dbo():
+    """vLLM's own group class (index_group left unapplied) has no copies at all."""
+    import torch.nn as nn
+
+    layer = nn.Module()
+    layer.impl = SimpleNamespace(index_group=SimpleNamespace(num_layers=2, has_indexer=True))
+    model = nn.ModuleList([layer])
+    base_loader.check_wired(model, num_ubatches=1)
+    with pytest.raises(ValueError, match="Drop --enable-dbo"):
+        base_loader.check_wired(model, num_ubatches=2)
 
 
 def test_load_seam_signature_checks():

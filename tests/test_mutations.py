@@ -31,10 +31,6 @@ ALIAS_TEST = "tests/test_loaders.py::test_loaders_imported_before_registration_g
 GUARD_TEST = (
     "tests/test_guard.py::test_other_version_refuses_dbo_with_shared_topk_and_runs_the_rest"
 )
-UPSTREAM_TEST = "tests/test_guard.py::test_vllm_with_the_upstream_fix_is_left_alone"
-UNWIRED_TEST = (
-    "tests/test_live_checks.py::test_failed_check_leaves_its_path_unwired_and_the_model_refused"
-)
 
 MUTATIONS = {
     "index group always returns microbatch 0's state": (
@@ -158,14 +154,14 @@ MUTATIONS = {
         "guard.py",
         '            and "num_ubatches" in inspect.signature(init).parameters\n',
         "            and False\n",
-        UPSTREAM_TEST,
+        "tests/test_guard.py::test_upstream_fix_detection",
     ),
     "thread registry not checked": (
         "patches/index_group.py",
         "    return thread_registry_mismatch() or "
         "builder_mismatch(target.SparseMLAIndexGroupBuilder)\n",
         "    return builder_mismatch(target.SparseMLAIndexGroupBuilder)\n",
-        UNWIRED_TEST,
+        "tests/test_live_checks.py::test_thread_registry_check[registry_rebound]",
     ),
     "index-group builder signature not checked": (
         "patches/index_group.py",
@@ -183,13 +179,14 @@ MUTATIONS = {
         "patches/__init__.py",
         "        missing = [r for r in requires if result[r] is not None]\n",
         "        missing = []\n",
-        UNWIRED_TEST,
+        "tests/test_rocm_dsa.py::"
+        "test_rocm_patches_skipped_off_rocm_when_their_module_cannot_import",
     ),
     "vLLM's own groups (index_group unapplied) not refused": (
         "patches/base_loader.py",
         "        return num_ubatches > 1 and reads_another_layers_topk(group)\n",
         "        return False\n",
-        UNWIRED_TEST,
+        "tests/test_live_checks.py::test_groups_no_patch_touched_are_refused_under_dbo",
     ),
 }
 
