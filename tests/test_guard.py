@@ -112,6 +112,17 @@ def test_other_version_refuses_dbo_with_shared_topk_and_runs_the_rest(tmp_path):
     )
     assert "refused (guard at vllm.config.VllmConfig.__post_init__)" in result.stderr
     assert not [line for line in result.stderr.splitlines() if line.startswith("ERROR")]
+    status = run_python(
+        """
+        import sys
+        from vllm_dsa_dbo import cli
+        cli.version = lambda name: "0.34.0"
+        sys.exit(cli.main(["status"]))
+        """
+    )
+    assert status.returncode == 1, status.stdout + status.stderr[-3000:]
+    assert "0.34.0 (NOT supported" in status.stdout
+    assert "refused at vllm.config.VllmConfig.__post_init__" in status.stdout
 
 
 def test_guard_falls_back_to_the_model_build_seam():

@@ -3,7 +3,7 @@ loader, guard and live-check tests for theirs) fails when any part of the fix is
 the source.
 
 Each mutation edits a copy of the package and runs its test against it
-in a fresh interpreter, as a reviewer would check it by hand.
+in a fresh interpreter, as a reviewer would check it by hand (two at a time).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -216,16 +217,34 @@ def test_core_test_passes_on_unmutated_copy(test, tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
 
-@pytest.mark.parametrize("name", MUTATIONS)
-def test_core_test_fails_under_mutation(name, tmp_path):
+def run_mutated(name: str, root: Path) -> subprocess.CompletedProcess | None:
+    """The mutation's test on a mutated copy under `root`; None if its site moved."""
     path, old, new, test = MUTATIONS[name]
-    target = copy_package(tmp_path) / path
+    target = copy_package(root) / path
     source = target.read_text()
-    assert source.count(old) == 1, f"mutation site for {name!r} moved"
+    if source.count(old) != 1:
+        return None
     target.write_text(source.replace(old, new))
+    return run_test(root, test)
 
-    result = run_test(tmp_path, test)
 
+@pytest.fixture(scope="module")
+def mutated_runs(request, tmp_path_factory) -> dict[str, subprocess.CompletedProcess | None]:
+    """Every selected mutation's run, two at a time: each is one interpreter."""
+    names = [
+        item.callspec.params["name"]
+        for item in request.session.items
+        if getattr(item, "originalname", None) == "test_core_test_fails_under_mutation"
+    ]
+    with ThreadPoolExecutor(2) as pool:
+        runs = pool.map(lambda name: run_mutated(name, tmp_path_factory.mktemp("mutant")), names)
+        return dict(zip(names, runs))
+
+
+@pytest.mark.parametrize("name", MUTATIONS)
+def test_core_test_fails_under_mutation(name, mutated_runs):
+    result = mutated_runs[name]
+    assert result is not None, f"mutation site for {name!r} moved"
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
     assert "AssertionError" in result.stdout or "DID NOT RAISE" in result.stdout
     assert "1 failed" in result.stdout

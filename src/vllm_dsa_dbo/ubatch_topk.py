@@ -125,6 +125,8 @@ def resolve_logical_topk(
 # a torch.compile'd model, by the indexer's k-cache layer name: all the op body
 # sees of its caller.
 INDEXER_OP_LEADERS: dict[str, Any] = {}
+# The op body's parameters `per_ubatch_indexer_kernel` reads and replaces.
+INDEXER_KERNEL_PARAMETERS = ("k_cache_prefix", "topk_indices_buffer")
 
 
 def wire_indexer_op_leader(k_cache_prefix: str, group: Any) -> None:
@@ -143,7 +145,7 @@ def per_ubatch_indexer_kernel(kernel: Callable[..., torch.Tensor]) -> Callable[.
     graph input, so it is matched by address, not identity.
     """
     names = list(inspect.signature(kernel).parameters)
-    prefix_at, buffer_at = names.index("k_cache_prefix"), names.index("topk_indices_buffer")
+    prefix_at, buffer_at = (names.index(name) for name in INDEXER_KERNEL_PARAMETERS)
 
     def argument(args: tuple, kwargs: dict, at: int) -> Any:
         return args[at] if len(args) > at else kwargs[names[at]]

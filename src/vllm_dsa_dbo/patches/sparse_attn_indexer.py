@@ -7,7 +7,7 @@ from collections.abc import Callable
 from types import CellType, ModuleType
 
 from vllm_dsa_dbo.patches import Patch
-from vllm_dsa_dbo.ubatch_topk import per_ubatch_indexer_kernel
+from vllm_dsa_dbo.ubatch_topk import INDEXER_KERNEL_PARAMETERS, per_ubatch_indexer_kernel
 
 PATCH = Patch(
     target="vllm.model_executor.layers.sparse_attn_indexer",
@@ -32,7 +32,6 @@ PATCH = Patch(
 
 
 REQUIRES = ("index_group",)
-KERNEL_PARAMETERS = ("k_cache_prefix", "topk_indices_buffer")
 
 
 def closure_cell(fn: Callable, name: str) -> CellType:
@@ -49,7 +48,8 @@ def check(target: ModuleType) -> str | None:
     kernel = closure_cell(op_body, "fn").cell_contents
     if kernel is not getattr(op_body, "__wrapped__", None):
         return f"sparse_attn_indexer's cell 'fn' holds {kernel!r}, not the kernel it wraps"
-    missing = [p for p in KERNEL_PARAMETERS if p not in inspect.signature(kernel).parameters]
+    parameters = inspect.signature(kernel).parameters
+    missing = [p for p in INDEXER_KERNEL_PARAMETERS if p not in parameters]
     if missing:
         return f"the sparse_attn_indexer kernel takes no {', '.join(missing)}"
     return None
