@@ -1,8 +1,9 @@
-"""The core test (and the HYV4, ROCm DSA, compiled DSA and sparse MLA backend tests for their
-patches) fails when any part of the fix is removed from the source.
+"""The core test (and the HYV4, ROCm DSA, compiled DSA and sparse MLA backend tests for
+their patches, and the loader, guard and live-check tests for theirs) fails when any part
+of the fix is removed from the source.
 
 Each mutation edits a copy of the package and runs its test against it
-in a fresh interpreter, as a reviewer would check it by hand.
+in a fresh interpreter, as a reviewer would check it by hand (two at a time).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -31,6 +33,11 @@ FA3_TEST = f"{BACKEND_TEST}[FLASH_ATTN_MLA_SPARSE-auto-decode-16h]"
 FLASHMLA_FP8_TEST = f"{BACKEND_TEST}[FLASHMLA_SPARSE-fp8_ds_mla-mixed-16h]"
 SM90_TEST = f"{BACKEND_TEST}[FLASHINFER_MLA_SPARSE_SM90-auto-mixed-16h]"
 XPU_TEST = f"{BACKENDS}::test_xpu_followers_share_one_buffer_and_are_refused"
+LOADER_TEST = "tests/test_loaders.py::test_refused_model_is_refused_whichever_loader_builds_it"
+ALIAS_TEST = "tests/test_loaders.py::test_loaders_imported_before_registration_get_the_check"
+GUARD_TEST = (
+    "tests/test_guard.py::test_other_version_refuses_dbo_with_shared_topk_and_runs_the_rest"
+)
 
 MUTATIONS = {
     "index group always returns microbatch 0's state": (
@@ -147,6 +154,71 @@ MUTATIONS = {
         "        ungrouped := []\n",
         XPU_TEST,
     ),
+    "only base_loader's alias of initialize_model checked (IPC loader)": (
+        "patches/base_loader.py",
+        '    replace_function(target, "initialize_model", '
+        "checked_build(target.initialize_model))\n",
+        "    __import__(target.__name__.replace('utils', 'base_loader'), fromlist=['x'])"
+        ".initialize_model = checked_build(target.initialize_model)\n",
+        f"{LOADER_TEST}[ipc_cache]",
+    ),
+    "vLLM-tensorized models built unchecked": (
+        "patches/tensorizer.py",
+        '    replace_function(target, "init_tensorizer_model", '
+        "checked_build(target.init_tensorizer_model))\n",
+        "    pass\n",
+        f"{LOADER_TEST}[tensorizer_vllm_tensorized]",
+    ),
+    "modules that imported a build function before registration keep vLLM's": (
+        "patches/__init__.py",
+        '        if getattr(holder, "__dict__", {}).get(name) is stock:\n',
+        "        if False:\n",
+        ALIAS_TEST,
+    ),
+    "other vLLM versions refuse nothing": (
+        "guard.py",
+        "        refuse_unfixed(self, why)\n",
+        "        pass\n",
+        GUARD_TEST,
+    ),
+    "a vLLM carrying the upstream fix is patched anyway": (
+        "guard.py",
+        '            and "num_ubatches" in inspect.signature(init).parameters\n',
+        "            and False\n",
+        "tests/test_guard.py::test_upstream_fix_detection",
+    ),
+    "thread registry not checked": (
+        "patches/index_group.py",
+        "    return thread_registry_mismatch() or "
+        "builder_mismatch(target.SparseMLAIndexGroupBuilder)\n",
+        "    return builder_mismatch(target.SparseMLAIndexGroupBuilder)\n",
+        "tests/test_live_checks.py::test_thread_registry_check[registry_rebound]",
+    ),
+    "index-group builder signature not checked": (
+        "patches/index_group.py",
+        "        if found[: len(names)] != names:\n",
+        "        if False:\n",
+        "tests/test_live_checks.py::test_builder_signature_check",
+    ),
+    "indexer op body's cell not checked": (
+        "patches/sparse_attn_indexer.py",
+        '    if kernel is not getattr(op_body, "__wrapped__", None):\n',
+        "    if False:\n",
+        "tests/test_live_checks.py::test_op_body_check[other_cell]",
+    ),
+    "patches applied without the patches they need": (
+        "patches/__init__.py",
+        "        missing = [r for r in requires if result[r] is not None]\n",
+        "        missing = []\n",
+        "tests/test_rocm_dsa.py::"
+        "test_rocm_patches_skipped_off_rocm_when_their_module_cannot_import",
+    ),
+    "vLLM's own groups (index_group unapplied) not refused": (
+        "patches/base_loader.py",
+        "        return num_ubatches > 1 and reads_another_layers_topk(group)\n",
+        "        return False\n",
+        "tests/test_live_checks.py::test_groups_no_patch_touched_are_refused_under_dbo",
+    ),
 }
 
 
@@ -179,16 +251,34 @@ def test_core_test_passes_on_unmutated_copy(test, tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
 
-@pytest.mark.parametrize("name", MUTATIONS)
-def test_core_test_fails_under_mutation(name, tmp_path):
+def run_mutated(name: str, root: Path) -> subprocess.CompletedProcess | None:
+    """The mutation's test on a mutated copy under `root`; None if its site moved."""
     path, old, new, test = MUTATIONS[name]
-    target = copy_package(tmp_path) / path
+    target = copy_package(root) / path
     source = target.read_text()
-    assert source.count(old) == 1, f"mutation site for {name!r} moved"
+    if source.count(old) != 1:
+        return None
     target.write_text(source.replace(old, new))
+    return run_test(root, test)
 
-    result = run_test(tmp_path, test)
 
+@pytest.fixture(scope="module")
+def mutated_runs(request, tmp_path_factory) -> dict[str, subprocess.CompletedProcess | None]:
+    """Every selected mutation's run, two at a time: each is one interpreter."""
+    names = [
+        item.callspec.params["name"]
+        for item in request.session.items
+        if getattr(item, "originalname", None) == "test_core_test_fails_under_mutation"
+    ]
+    with ThreadPoolExecutor(2) as pool:
+        runs = pool.map(lambda name: run_mutated(name, tmp_path_factory.mktemp("mutant")), names)
+        return dict(zip(names, runs))
+
+
+@pytest.mark.parametrize("name", MUTATIONS)
+def test_core_test_fails_under_mutation(name, mutated_runs):
+    result = mutated_runs[name]
+    assert result is not None, f"mutation site for {name!r} moved"
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "AssertionError" in result.stdout
+    assert "AssertionError" in result.stdout or "DID NOT RAISE" in result.stdout
     assert "1 failed" in result.stdout

@@ -252,8 +252,8 @@ def test_rocm_dsa_unwired_followers_are_refused(fake_gpu, monkeypatch):
 
 
 def test_rocm_patches_skipped_off_rocm_when_their_module_cannot_import(monkeypatch):
-    """apply_all skips a ROCm patch whose module fails to import off ROCm, and
-    raises the ImportError on ROCm."""
+    """wire() skips a ROCm patch whose module fails to import off ROCm (and the
+    patch that needs it), and on ROCm leaves both unapplied, saying why."""
     import importlib
 
     from vllm_dsa_dbo import patches
@@ -267,9 +267,12 @@ def test_rocm_patches_skipped_off_rocm_when_their_module_cannot_import(monkeypat
 
     monkeypatch.setattr(patches.importlib, "import_module", import_module)
     monkeypatch.setattr(patches, "_on_rocm", lambda: False)
-    targets = [p.target for p in patches.apply_all()]
-    assert "vllm.models.deepseek_v32.amd.rocm" not in targets
-    assert "vllm.models.deepseek_v32.amd.model" in targets
+    wiring = patches.wire(apply=False)
+    assert "rocm_dsa_attention" not in wiring and "rocm_dsa_model" not in wiring
+    assert wiring["index_group"] is None
     monkeypatch.setattr(patches, "_on_rocm", lambda: True)
-    with pytest.raises(ImportError, match="no aiter here"):
-        patches.apply_all()
+    model_target = real_import("vllm.models.deepseek_v32.amd.model")
+    monkeypatch.setattr(model_target, patches._APPLIED, False, raising=False)  # as before register
+    wiring = patches.wire(apply=False)
+    assert "no aiter here" in wiring["rocm_dsa_attention"]
+    assert wiring["rocm_dsa_model"] == "needs rocm_dsa_attention, left unapplied"

@@ -7,6 +7,7 @@ before it builds a model.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from packaging.version import InvalidVersion, Version
 
@@ -31,34 +32,35 @@ def is_supported_vllm(version: str) -> bool:
 
 
 def register() -> None:
-    """The `vllm.general_plugins` entry point; safe to call more than once."""
+    """The `vllm.general_plugins` entry point; safe to call more than once; never raises."""
     from vllm.logger import init_logger
 
     logger = init_logger(LOGGER_NAME)
+    try:
+        _register(logger)
+    except Exception as e:  # raising here would stop every vLLM process, DBO or not
+        from vllm_dsa_dbo import guard
+
+        logger.exception("vllm-dsa-dbo: registration failed (%s)", e)
+        guard.cover(logger, "vllm-dsa-dbo failed to register on this vLLM (see its error).")
+
+
+def _register(logger: Any) -> None:
+    from vllm_dsa_dbo import guard
     from vllm_dsa_dbo.isolation import install, mode_from_env
 
     check = mode_from_env()
     if disabled_by_env() and check is None:
         logger.info("vllm-dsa-dbo disabled by %s; nothing patched", DISABLE_ENV)
         return
-    import vllm
-
-    if not is_supported_vllm(vllm.__version__):
-        logger.error(
-            "vllm-dsa-dbo supports vLLM %s only, found %s: NOT patching. DSA models "
-            "with shared top-k layers (GLM-5.x) give wrong results with "
-            "--enable-dbo on this vLLM unless it carries the fix itself. Install "
-            "vllm==%s, or a vllm-dsa-dbo release for your vLLM.",
-            SUPPORTED_VLLM,
-            vllm.__version__,
-            SUPPORTED_VLLM,
-        )
+    if guard.stays_out(logger):
         return
     if disabled_by_env():
         logger.info("vllm-dsa-dbo disabled by %s; only its checker runs", DISABLE_ENV)
     else:
-        from vllm_dsa_dbo.patches import apply_all
+        from vllm_dsa_dbo.patches import LOAD_CHECK_MODULES, apply_all
 
-        apply_all()
+        if not LOAD_CHECK_MODULES <= apply_all():
+            guard.cover(logger, "vllm-dsa-dbo could not install its load-time check here.")
     if check is not None:
         install(check)

@@ -58,10 +58,19 @@ def status(args: argparse.Namespace) -> int:
         problems.append("vLLM is not installed")
         print(f"vLLM: not installed (supported: {SUPPORTED_VLLM})")
     else:
+        from vllm_dsa_dbo import guard
+
+        if guard.upstream_fix_present():
+            print(
+                f"vLLM: {vllm_version} carries the upstream fix (its index-group builder "
+                "takes num_ubatches): the plugin stays out, nothing to do"
+            )
+            return 0
         ok = is_supported_vllm(vllm_version)
         print(f"vLLM: {vllm_version} ({'supported' if ok else 'NOT supported'}; this plugin supports {SUPPORTED_VLLM})")
         if not ok:
             problems.append(f"vLLM {vllm_version} is not {SUPPORTED_VLLM}: the plugin patches nothing")
+            print(f"guard: DBO with a shared-top-k DSA model is refused at {guard_seam()}")
 
     found = [e for e in entry_points(group=ENTRY_POINT_GROUP) if e.name == ENTRY_POINT_NAME]
     if found:
@@ -85,18 +94,30 @@ def status(args: argparse.Namespace) -> int:
     else:
         print(f"{DISABLE_ENV}: not set")
 
-    from vllm_dsa_dbo.patches import patch_modules
+    from vllm_dsa_dbo.patches import LOAD_CHECK_MODULES, patch_modules, short_name, wire
 
+    wiring = wire(apply=False) if vllm_version is not None and not problems else {}
     print("patches:")
     for module in patch_modules():
-        patch = module.PATCH
+        patch, name = module.PATCH, short_name(module)
         print(f"  {patch.target}\n    how: {patch.how}\n    remove when: {patch.remove_when}")
+        if wiring.get(name) is not None:
+            print(f"    LEFT UNAPPLIED here: {wiring[name]}")
+            problems.append(f"patch {name} is left unapplied")
+    if any(wiring.get(name) is not None for name in LOAD_CHECK_MODULES):
+        print(f"guard: DBO with a shared-top-k DSA model is refused at {guard_seam()}")
 
     if problems:
         print("fix NOT active: " + "; ".join(problems))
         return 1
     print("fix active: vLLM will apply it in every process")
     return 0
+
+
+def guard_seam() -> str:
+    from vllm_dsa_dbo import guard
+
+    return guard.install("(vllm-dsa-dbo status)") or "NO seam: such runs are NOT refused"
 
 
 # memory ---------------------------------------------------------------------

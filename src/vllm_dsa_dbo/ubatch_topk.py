@@ -23,8 +23,9 @@ from torch.compiler import is_dynamo_compiling
 from vllm.utils.torch_utils import _resolve_layer_name
 from vllm.v1.worker import ubatching
 
-# DBO registers each microbatch thread here (and only mutates the dict).
-_UBATCH_ID_OF_THREAD: dict[int, int] = ubatching._THREAD_ID_TO_CONTEXT
+# DBO registers each microbatch thread here (and only mutates the dict); the
+# index_group patch checks that at registration, and stays out if it moved.
+_UBATCH_ID_OF_THREAD: dict[int, int] = getattr(ubatching, "_THREAD_ID_TO_CONTEXT", {})
 
 
 def current_ubatch_id() -> int:
@@ -124,6 +125,8 @@ def resolve_logical_topk(
 # a torch.compile'd model, by the indexer's k-cache layer name: all the op body
 # sees of its caller.
 INDEXER_OP_LEADERS: dict[str, Any] = {}
+# The op body's parameters `per_ubatch_indexer_kernel` reads and replaces.
+INDEXER_KERNEL_PARAMETERS = ("k_cache_prefix", "topk_indices_buffer")
 
 
 def wire_indexer_op_leader(k_cache_prefix: str, group: Any) -> None:
@@ -142,7 +145,7 @@ def per_ubatch_indexer_kernel(kernel: Callable[..., torch.Tensor]) -> Callable[.
     graph input, so it is matched by address, not identity.
     """
     names = list(inspect.signature(kernel).parameters)
-    prefix_at, buffer_at = names.index("k_cache_prefix"), names.index("topk_indices_buffer")
+    prefix_at, buffer_at = (names.index(name) for name in INDEXER_KERNEL_PARAMETERS)
 
     def argument(args: tuple, kwargs: dict, at: int) -> Any:
         return args[at] if len(args) > at else kwargs[names[at]]

@@ -1,7 +1,9 @@
 """The vLLM 0.33.0 seams this plugin patches, one module per patched vLLM module.
 
 Each patch module opens with `PATCH`, its metadata as data (Why, How, Upstream,
-Remove when), and defines `apply(target)`. `status`, docs and tests read
+Remove when), and defines `apply(target)`. It may define `REQUIRES`, the
+patches it is wrong without, and `check(target)`, which tells what of the
+vLLM internals it relies on differs here. `status`, docs and tests read
 `PATCH` from here; nothing keeps a second list by hand.
 """
 
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
@@ -38,7 +41,11 @@ PATCH_MODULES = (
     "rocm_dsa_attention",
     "rocm_dsa_model",
     "base_loader",
+    "tensorizer",
 )
+
+# With these in force every model build is checked at load; without, the guard refuses.
+LOAD_CHECK_MODULES = frozenset({"base_loader", "tensorizer"})
 
 _APPLIED = "_vllm_dsa_dbo_patched"
 
@@ -59,26 +66,85 @@ def call_after_init(cls: type, hook: Callable[[Any], None]) -> None:
     cls.__init__ = __init__
 
 
+def replace_function(module: ModuleType, name: str, replacement: Callable) -> None:
+    """Set `module.name` to `replacement`, and every module's alias of the stock one.
+
+    Modules that imported the function by value before this call hold the
+    stock function under the same name; they get the replacement too.
+    """
+    stock = getattr(module, name)
+    for holder in list(sys.modules.values()):
+        # The module's own dict: a module-level __getattr__ may import or raise.
+        if getattr(holder, "__dict__", {}).get(name) is stock:
+            setattr(holder, name, replacement)
+    setattr(module, name, replacement)
+
+
 def _on_rocm() -> bool:
     from vllm.platforms import current_platform
 
     return current_platform.is_rocm()
 
 
-def apply_all() -> list[Patch]:
-    """Apply every patch once per process; returns the patches now in force."""
-    patches = []
+def short_name(module: ModuleType) -> str:
+    return module.__name__.rsplit(".", 1)[1]
+
+
+def wire(apply: bool) -> dict[str, str | None]:
+    """Each patch that matters here, and why it is left unapplied (None: in force).
+
+    A patch is left unapplied when its target does not import, its check
+    finds vLLM different, applying it raises, or a patch it needs is left
+    unapplied. `apply=False` only tells what applying would do.
+    """
+    result: dict[str, str | None] = {}
     for module in patch_modules():
+        name = short_name(module)
         try:
             target = importlib.import_module(module.PATCH.target)
         except NotImplementedError:  # vLLM builds no such model here (hy_v4 on XPU)
             continue
-        except ImportError:  # a ROCm-only module off ROCm; never on ROCm itself
-            if not getattr(module, "ROCM_ONLY", False) or _on_rocm():
-                raise
+        except ImportError as e:  # a ROCm-only module off ROCm is fine; never on ROCm
+            if getattr(module, "ROCM_ONLY", False) and not _on_rocm():
+                continue
+            result[name] = f"cannot import {module.PATCH.target}: {e}"
             continue
-        if not getattr(target, _APPLIED, False):
-            module.apply(target)
-            setattr(target, _APPLIED, True)
-        patches.append(module.PATCH)
-    return patches
+        requires = getattr(module, "REQUIRES", ())
+        if any(r not in result for r in requires):  # needs a patch that does not matter here
+            continue
+        if getattr(target, _APPLIED, False):
+            result[name] = None
+            continue
+        missing = [r for r in requires if result[r] is not None]
+        try:
+            if missing:
+                reason = f"needs {', '.join(missing)}, left unapplied"
+            else:
+                reason = module.check(target) if hasattr(module, "check") else None
+            if reason is None and apply:
+                module.apply(target)
+                setattr(target, _APPLIED, True)
+        except Exception as e:  # a vLLM that differs must not break register()
+            reason = f"{type(e).__name__}: {e}"
+        result[name] = reason
+    return result
+
+
+def apply_all() -> set[str]:
+    """Apply every patch `wire` allows, once per process; returns those in force.
+
+    Each patch left unapplied gets one warning naming why: the models that
+    need it are then refused at load, never corrupted.
+    """
+    from vllm.logger import init_logger
+
+    from vllm_dsa_dbo import LOGGER_NAME
+
+    logger = init_logger(LOGGER_NAME)
+    applied = set()
+    for name, reason in wire(apply=True).items():
+        if reason is None:
+            applied.add(name)
+        else:
+            logger.warning("vllm-dsa-dbo: patch %s left unapplied: %s", name, reason)
+    return applied

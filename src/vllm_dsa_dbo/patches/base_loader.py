@@ -1,35 +1,43 @@
-"""Patch of `vllm.model_executor.model_loader.base_loader`."""
+"""Patch of `vllm.model_executor.model_loader.utils`: the load-time check."""
 
 from __future__ import annotations
 
+import functools
 import inspect
+import threading
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from vllm_dsa_dbo.patches import Patch
+from vllm_dsa_dbo.patches import Patch, replace_function
 from vllm_dsa_dbo.ubatch_topk import (
     followed_groups,
     index_groups,
+    reads_another_layers_topk,
     shares_topk_across_ubatches,
     ubatch_topk_bytes,
 )
 
 PATCH = Patch(
-    target="vllm.model_executor.model_loader.base_loader",
+    target="vllm.model_executor.model_loader.utils",
     why=(
         "An operator cannot see from the logs whether the fix is active for a model "
         "or what it costs; and models whose leaders write the top-k outside "
         "the per-microbatch writers (the deepseek_v2 / glm4_moe_lite DSA path on "
         "ROCm), or whose followers build private index groups "
         "that nothing wires (HYV4 on ROCm), would still share it between "
-        "microbatches."
+        "microbatches. Every vLLM 0.33.0 loader builds its model through this "
+        "module's initialize_model (the base, tensorizer and IPC loaders import it "
+        "by value), except a vLLM-tensorized one (the tensorizer patch)."
     ),
     how=(
-        "Wraps the loader's initialize_model: after a model is built, each worker "
+        "Replaces initialize_model, in its module and in every module holding it "
+        "by value: after the outermost build, each worker "
         "refuses, under DBO, a model whose followers would read shared top-k "
         "state (leaders not wired to the per-microbatch buffers, followers in "
         "private groups nothing wired, followers of a sparse MLA backend without "
-        "index groups (XPU_MLA_SPARSE), or DeepSeek-V4.1 / MiniMax-M3 ROCm "
+        "index groups (XPU_MLA_SPARSE), groups a patch left unapplied, or "
+        "DeepSeek-V4.1 / MiniMax-M3 ROCm "
         "cross-layer index buffers), else logs one INFO line with the microbatch "
         "count, the index groups with followers, the bytes allocated and the "
         "sparse MLA backend, and nothing when nothing was allocated."
@@ -108,7 +116,7 @@ def check_wired(model: Any, num_ubatches: int = 1) -> None:
             "other microbatch's selection. Drop --enable-dbo (and --ubatch-size) "
             "for this model."
         )
-    if any(shares_topk_across_ubatches(g) for g in index_groups(model)):
+    if any(left_shared(g, num_ubatches) for g in index_groups(model)):
         raise ValueError(
             f"vllm-dsa-dbo: {type(model).__name__} shares top-k between layers "
             "(index_topk_freq > 1 or an index_topk_pattern), but on this code path "
@@ -117,14 +125,23 @@ def check_wired(model: Any, num_ubatches: int = 1) -> None:
             "vllm/models/deepseek_v32/nvidia and amd, HYV4 on CUDA, "
             "vllm/models/hy_v4/nvidia, and the compiled deepseek_v2 / glm4_moe_lite "
             "DSA path on CUDA). With dual batch "
-            "overlap its followers would read the other microbatch's top-k. "
+            "overlap its followers would read the other microbatch's top-k "
+            "(where a vllm-dsa-dbo patch was left unapplied, a warning at startup "
+            "and `vllm-dsa-dbo status` say why). "
             "Drop --enable-dbo (and --ubatch-size) for this model."
         )
 
 
+def left_shared(group: Any, num_ubatches: int) -> bool:
+    """`shares_topk_across_ubatches`, also for a group of vLLM's own (index_group unapplied)."""
+    if not hasattr(group, "ubatch_topk_states"):
+        return num_ubatches > 1 and reads_another_layers_topk(group)
+    return shares_topk_across_ubatches(group)
+
+
 def describe(model: Any) -> str | None:
     """The startup line for `model`, or None when the fix allocated nothing."""
-    copied = [g for g in index_groups(model) if g.ubatch_logical_topk_indices]
+    copied = [g for g in index_groups(model) if getattr(g, "ubatch_logical_topk_indices", ())]
     if not copied:
         return None
     followed = followed_groups(copied)
@@ -142,23 +159,49 @@ def describe(model: Any) -> str | None:
     )
 
 
-def apply(target: ModuleType) -> None:
+def check(target: ModuleType) -> str | None:
+    return takes_vllm_config(target.initialize_model)
+
+
+def takes_vllm_config(build: Callable) -> str | None:
+    """None when `build` takes the `vllm_config` the check reads, else what differs."""
+    if "vllm_config" in inspect.signature(build).parameters:
+        return None
+    return f"{build.__module__}.{build.__name__} takes no vllm_config parameter"
+
+
+_building = threading.local()
+
+
+def checked_build(build: Callable[..., Any]) -> Callable[..., Any]:
+    """`build`, a vLLM function that builds a model for `vllm_config`, checking the
+    model the outermost call returns (sub-models are built inside it)."""
     from vllm.logger import init_logger
     from vllm.v1.worker.ubatch_utils import get_num_ubatches
 
     from vllm_dsa_dbo import LOGGER_NAME
 
     logger = init_logger(LOGGER_NAME)
-    stock = target.initialize_model
-    signature = inspect.signature(stock)
+    signature = inspect.signature(build)
 
-    def initialize_model(*args: Any, **kwargs: Any) -> Any:
-        model = stock(*args, **kwargs)
-        vllm_config = signature.bind(*args, **kwargs).arguments["vllm_config"]
-        check_wired(model, get_num_ubatches(vllm_config.parallel_config))
-        line = describe(model)
-        if line is not None:
-            logger.info(line)
+    @functools.wraps(build)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        depth = getattr(_building, "depth", 0)
+        _building.depth = depth + 1
+        try:
+            model = build(*args, **kwargs)
+        finally:
+            _building.depth = depth
+        if depth == 0:
+            vllm_config = signature.bind(*args, **kwargs).arguments["vllm_config"]
+            check_wired(model, get_num_ubatches(vllm_config.parallel_config))
+            line = describe(model)
+            if line is not None:
+                logger.info(line)
         return model
 
-    target.initialize_model = initialize_model
+    return checked
+
+
+def apply(target: ModuleType) -> None:
+    replace_function(target, "initialize_model", checked_build(target.initialize_model))

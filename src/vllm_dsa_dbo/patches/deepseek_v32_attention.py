@@ -28,6 +28,8 @@ PATCH = Patch(
     remove_when="the vLLM release that merges PR #60734 (not in 0.33.0)",
 )
 
+REQUIRES = ("index_group", "sparse_mla_attention")
+
 
 def _get(self: Any) -> Any:
     return self.impl.topk_indices_buffer

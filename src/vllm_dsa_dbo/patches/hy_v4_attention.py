@@ -26,6 +26,8 @@ PATCH = Patch(
     remove_when="the vLLM release whose HYV4 keeps its logical top-k per DBO microbatch",
 )
 
+REQUIRES = ("index_group", "sparse_mla_attention")
+
 
 def apply(target: ModuleType) -> None:
     target.SparseAttnIndexer = per_ubatch_indexer_op(target.SparseAttnIndexer)

@@ -27,6 +27,8 @@ PATCH = Patch(
     remove_when="the vLLM release whose HYV4 keeps its logical top-k per DBO microbatch",
 )
 
+REQUIRES = ("hy_v4_attention",)
+
 
 def keep_logical_topk_per_ubatch(model: Any) -> None:
     """Wire a HYV4 model's sparse layers to per-microbatch logical top-k."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+import threading
 from types import ModuleType
 from typing import Any
 
@@ -38,6 +40,45 @@ def _default_num_ubatches() -> int:
 
     config = get_current_vllm_config_or_none()
     return 1 if config is None else get_num_ubatches(config.parallel_config)
+
+
+def check(target: ModuleType) -> str | None:
+    return thread_registry_mismatch() or builder_mismatch(target.SparseMLAIndexGroupBuilder)
+
+
+def thread_registry_mismatch() -> str | None:
+    """None when the registry the state lookups read is the one DBO's
+    microbatch threads write, else what differs (every lookup would be 0)."""
+    from vllm.v1.worker import ubatching
+
+    registry = getattr(ubatching, "_THREAD_ID_TO_CONTEXT", None)
+    if registry is not ubatch_topk._UBATCH_ID_OF_THREAD or not isinstance(registry, dict):
+        return "vllm.v1.worker.ubatching._THREAD_ID_TO_CONTEXT is not the dict it was at import"
+    if "_THREAD_ID_TO_CONTEXT" not in ubatching.UBatchContext.__enter__.__code__.co_names:
+        return "UBatchContext.__enter__ no longer registers its thread in _THREAD_ID_TO_CONTEXT"
+    if registry:  # microbatches running: nothing to probe with
+        return None
+    registry[threading.get_ident()] = 1
+    try:
+        seen = ubatching.dbo_current_ubatch_id(), ubatch_topk.current_ubatch_id()
+    finally:
+        registry.pop(threading.get_ident(), None)
+    if seen != (1, 1):
+        return f"a thread registered as microbatch 1 reads (vLLM, plugin) = {seen}"
+    return None
+
+
+def builder_mismatch(builder_cls: type) -> str | None:
+    """None when the builder's methods take the parameters the patch passes."""
+    expected = {
+        "__init__": ["self", "logical_topk_indices", "max_decode_rows"],
+        "register_layer": ["self", "is_index_producing_layer", "vllm_config"],
+    }
+    for method, names in expected.items():
+        found = list(inspect.signature(getattr(builder_cls, method)).parameters)
+        if found[: len(names)] != names:
+            return f"SparseMLAIndexGroupBuilder.{method} takes {found}, expected {names} first"
+    return None
 
 
 def apply(target: ModuleType) -> None:

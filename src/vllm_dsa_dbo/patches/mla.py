@@ -30,6 +30,8 @@ PATCH = Patch(
     remove_when="a vLLM release that keeps the compiled DSA path's top-k per microbatch",
 )
 
+REQUIRES = ("index_group", "sparse_mla_attention", "sparse_attn_indexer")
+
 
 def wire(wrapper: Any) -> None:
     group = getattr(getattr(wrapper.mla_attn, "impl", None), "index_group", None)

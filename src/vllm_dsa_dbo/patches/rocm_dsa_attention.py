@@ -28,9 +28,11 @@ PATCH = Patch(
     remove_when="the vLLM release whose ROCm DSA keeps its logical top-k per DBO microbatch",
 )
 
+REQUIRES = ("index_group", "sparse_mla_attention")
+
 
 # vLLM imports this module on every platform; should it ever fail off ROCm,
-# apply_all skips this patch there (and raises on ROCm).
+# wire() skips this patch there (on ROCm it is left unapplied, refused at load).
 ROCM_ONLY = True
 
 

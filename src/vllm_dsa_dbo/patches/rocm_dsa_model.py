@@ -30,6 +30,8 @@ PATCH = Patch(
     remove_when="the vLLM release whose ROCm DSA keeps its logical top-k per DBO microbatch",
 )
 
+REQUIRES = ("rocm_dsa_attention",)
+
 ROCM_ONLY = True  # see rocm_dsa_attention
 
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from types import CellType, ModuleType
 
 from vllm_dsa_dbo.patches import Patch
-from vllm_dsa_dbo.ubatch_topk import per_ubatch_indexer_kernel
+from vllm_dsa_dbo.ubatch_topk import INDEXER_KERNEL_PARAMETERS, per_ubatch_indexer_kernel
 
 PATCH = Patch(
     target="vllm.model_executor.layers.sparse_attn_indexer",
@@ -30,9 +31,28 @@ PATCH = Patch(
 )
 
 
+REQUIRES = ("index_group",)
+
+
 def closure_cell(fn: Callable, name: str) -> CellType:
     """The cell holding `fn`'s free variable `name`."""
     return fn.__closure__[fn.__code__.co_freevars.index(name)]
+
+
+def check(target: ModuleType) -> str | None:
+    """The registered op body wraps the module's own kernel in a cell `fn`,
+    and the kernel takes the parameters per_ubatch_indexer_kernel looks up."""
+    op_body = target.sparse_attn_indexer
+    if "fn" not in getattr(getattr(op_body, "__code__", None), "co_freevars", ()):
+        return "sparse_attn_indexer is no longer a wrapper with a closure cell 'fn'"
+    kernel = closure_cell(op_body, "fn").cell_contents
+    if kernel is not getattr(op_body, "__wrapped__", None):
+        return f"sparse_attn_indexer's cell 'fn' holds {kernel!r}, not the kernel it wraps"
+    parameters = inspect.signature(kernel).parameters
+    missing = [p for p in INDEXER_KERNEL_PARAMETERS if p not in parameters]
+    if missing:
+        return f"the sparse_attn_indexer kernel takes no {', '.join(missing)}"
+    return None
 
 
 def apply(target: ModuleType) -> None:

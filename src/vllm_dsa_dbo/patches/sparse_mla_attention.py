@@ -29,6 +29,20 @@ PATCH = Patch(
 )
 
 
+REQUIRES = ("index_group",)
+
+
+def check(target: ModuleType) -> str | None:
+    """The stock getter reads the two attributes the inline copy below reads."""
+    stock = target.SharedTopkIndicesBuffer.__dict__.get("topk_indices_buffer")
+    if not isinstance(stock, property) or stock.fset is None:
+        return "SharedTopkIndicesBuffer.topk_indices_buffer is not a settable property"
+    names = set(stock.fget.__code__.co_names)
+    if not {"_indexer", "_topk_indices_buffer", "topk_indices_buffer"} <= names:
+        return f"SharedTopkIndicesBuffer.topk_indices_buffer reads {sorted(names)}"
+    return None
+
+
 def topk_indices_buffer(self: Any) -> Any:
     # vLLM's getter, inline: this property is read on every sparse MLA call.
     indexer = self._indexer

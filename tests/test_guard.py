@@ -1,0 +1,213 @@
+"""Other vLLM versions: where vLLM carries the fix the plugin stays out; else
+DBO with a shared-top-k DSA model is refused, and everything else still runs.
+
+Each case runs in a fresh interpreter with the version (or the upstream
+builder) faked before `register()`, and builds vLLM's real `VllmConfig` for a
+tiny GLM-5-shaped config on disk, as `vllm serve` does.
+"""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from test_plugin import PATCHED, run_python
+from vllm_dsa_dbo import guard
+
+GLM5_SHAPED = {
+    "architectures": ["GlmMoeDsaForCausalLM"],
+    "model_type": "deepseek_v32",
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "q_lora_rank": 32,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 32,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 32,
+    "index_topk": 64,
+    "index_n_heads": 2,
+    "index_head_dim": 128,
+    "index_topk_freq": 2,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_group": 1,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+    "max_position_embeddings": 256,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    "torch_dtype": "bfloat16",
+}
+
+OTHER_VERSION = """
+    import logging
+    logging.basicConfig(format="%(levelname)s %(name)s %(message)s")
+    import vllm
+    vllm.__version__ = "0.34.0"
+"""
+UPSTREAM_FIX = """
+    import logging
+    logging.basicConfig(level=logging.INFO)
+    from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroupBuilder
+    stock_init = SparseMLAIndexGroupBuilder.__init__
+    def __init__(self, logical_topk_indices, max_decode_rows=None, *, num_ubatches=1):
+        stock_init(self, logical_topk_indices, max_decode_rows)
+    SparseMLAIndexGroupBuilder.__init__ = __init__
+"""
+REGISTER = """
+    import vllm_dsa_dbo
+    vllm_dsa_dbo.register()
+"""
+
+
+def build_configs(*models: str) -> str:
+    """Code that builds a VllmConfig per (model folder, DBO) and prints the outcome."""
+    return """
+    from vllm.config import DeviceConfig, ModelConfig, ParallelConfig, VllmConfig
+    for folder, dbo in %r:
+        try:
+            VllmConfig(
+                model_config=ModelConfig(model=folder, skip_tokenizer_init=True),
+                parallel_config=ParallelConfig(
+                    enable_dbo=dbo, all2all_backend="deepep_low_latency"
+                ),
+                device_config=DeviceConfig(device="cpu"),
+            )
+            print("BUILT", folder, dbo)
+        except ValueError as e:
+            print("REFUSED", folder, dbo, " ".join(str(e).split()))
+    """ % (models,)
+
+
+def model_folders(tmp_path) -> tuple[str, str]:
+    """A shared-top-k config (index_topk_freq 2) and a DeepSeek-V3.2-like one."""
+    folders = []
+    for name, freq in (("shared", 2), ("own", 1)):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({**GLM5_SHAPED, "index_topk_freq": freq}))
+        folders.append(str(folder))
+    return folders[0], folders[1]
+
+
+def test_other_version_refuses_dbo_with_shared_topk_and_runs_the_rest(tmp_path):
+    shared, own = model_folders(tmp_path)
+    cases = ((shared, True), (shared, False), (own, True))
+    result = run_python(OTHER_VERSION, REGISTER, PATCHED, build_configs(*cases), HF_HUB_OFFLINE="1")
+    out = result.stdout
+    assert "PATCHED False" in out, result.stderr[-3000:]
+    refusal = [line for line in out.splitlines() if line.startswith("REFUSED")]
+    assert len(refusal) == 1 and refusal[0].startswith(f"REFUSED {shared} True"), out
+    assert "index_topk_freq > 1" in refusal[0] and "found 0.34.0" in refusal[0]
+    assert "Drop --enable-dbo" in refusal[0] and "install vllm==0.33.0" in refusal[0]
+    assert f"BUILT {shared} False" in out and f"BUILT {own} True" in out
+    assert "WARNING vllm.dsa_dbo vllm-dsa-dbo supports vLLM 0.33.0 only, found 0.34.0" in (
+        result.stderr
+    )
+    assert "refused (guard at vllm.config.VllmConfig.__post_init__)" in result.stderr
+    assert not [line for line in result.stderr.splitlines() if line.startswith("ERROR")]
+    status = run_python(
+        """
+        import sys
+        from vllm_dsa_dbo import cli
+        cli.version = lambda name: "0.34.0"
+        sys.exit(cli.main(["status"]))
+        """
+    )
+    assert status.returncode == 1, status.stdout + status.stderr[-3000:]
+    assert "0.34.0 (NOT supported" in status.stdout
+    assert "refused at vllm.config.VllmConfig.__post_init__" in status.stdout
+
+
+def test_guard_falls_back_to_the_model_build_seam():
+    result = run_python(
+        OTHER_VERSION,
+        """
+        from vllm.config import VllmConfig
+        del VllmConfig.__post_init__
+        """,
+        REGISTER,
+        """
+        from vllm.model_executor.model_loader import base_loader, utils
+        print("SEAM", utils.initialize_model is base_loader.initialize_model,
+              utils.initialize_model.__module__)
+        """,
+    )
+    log = result.stderr + result.stdout
+    assert "guard at vllm.model_executor.model_loader.utils.initialize_model" in log, log[-3000:]
+    assert "SEAM True vllm_dsa_dbo.guard" in result.stdout
+
+
+def test_vllm_with_the_upstream_fix_is_left_alone(tmp_path):
+    shared, _ = model_folders(tmp_path)
+    result = run_python(UPSTREAM_FIX, REGISTER, PATCHED, build_configs((shared, True)))
+    assert "PATCHED False" in result.stdout, result.stderr[-3000:]
+    assert f"BUILT {shared} True" in result.stdout
+    assert "carries the upstream fix" in result.stderr + result.stdout
+    status = run_python(
+        UPSTREAM_FIX,
+        """
+        import sys
+        from vllm_dsa_dbo.cli import main
+        sys.exit(main(["status"]))
+        """,
+    )
+    assert status.returncode == 0, status.stdout + status.stderr[-3000:]
+    assert "carries the upstream fix" in status.stdout and "stays out" in status.stdout
+
+
+def test_upstream_fix_detection(vllm_env, monkeypatch):
+    from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroupBuilder
+
+    assert not guard.upstream_fix_present()  # the plugin's own num_ubatches
+    stock_init = SparseMLAIndexGroupBuilder.__init__
+
+    def __init__(self, logical_topk_indices, max_decode_rows=None, *, num_ubatches=1):
+        stock_init(self, logical_topk_indices, max_decode_rows)
+
+    monkeypatch.setattr(SparseMLAIndexGroupBuilder, "__init__", __init__)
+    assert guard.upstream_fix_present()
+
+
+def test_failed_registration_never_raises_and_falls_back_to_the_guard(tmp_path):
+    shared, own = model_folders(tmp_path)
+    result = run_python(
+        """
+        from vllm_dsa_dbo import patches
+        def broken():
+            raise ImportError("a vLLM internal moved")
+        patches.patch_modules = broken
+        """,
+        REGISTER,
+        build_configs((shared, True), (own, True)),
+        HF_HUB_OFFLINE="1",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"REFUSED {shared} True" in result.stdout and f"BUILT {own} True" in result.stdout
+    log = result.stderr + result.stdout
+    assert "registration failed (a vLLM internal moved)" in log
+    assert "failed to register on this vLLM" in log
+
+
+@pytest.mark.parametrize(
+    "config, keys",
+    [
+        ({"index_topk": 64, "index_topk_freq": 4}, ["index_topk_freq > 1"]),
+        ({"index_topk": 64, "index_topk_freq": 1}, []),
+        ({"index_topk": 64, "index_topk_pattern": "FFSS"}, ["an index_topk_pattern with 'S'"]),
+        ({"index_topk": 64, "index_topk_pattern": "FFFF"}, []),
+        ({"index_topk": 64, "indexer_types": ["full", "shared"]}, ["indexer_types with 'shared'"]),
+        ({"index_topk": 64, "index_source_layer_ids": [0, 2]}, ["index_source_layer_ids"]),
+        ({"index_topk": 64, "candidate_source_layer_id": 3}, ["candidate_source_layer_id"]),
+        ({"index_topk": 64, "candidate_source_layer_id": -1}, []),
+        ({"index_topk_freq": 4}, []),  # not a DSA model
+    ],
+)
+def test_sharing_keys(config, keys):
+    assert guard.sharing_keys(SimpleNamespace(**config)) == keys

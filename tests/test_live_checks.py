@@ -1,0 +1,218 @@
+"""Registration checks each private vLLM object a patch relies on; on a
+mismatch that patch (and every patch that needs it) is left unapplied with one
+warning, and the loader refuses the models that needed it.
+
+The checks are run against broken copies of vLLM's objects: vLLM's own
+microbatch registry, its `eager_break_during_capture` wrapper, classes shaped
+like the ones patched. The last tests break vLLM itself before `register()`.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from test_plugin import run_python
+from vllm_dsa_dbo.patches import base_loader, index_group, sparse_attn_indexer
+from vllm_dsa_dbo.patches import sparse_mla_attention, tensorizer
+
+
+@pytest.mark.parametrize(
+    "attribute, replacement, reason",
+    [
+        ("_THREAD_ID_TO_CONTEXT", lambda u: {}, "is not the dict it was at import"),
+        (
+            "UBatchContext",
+            lambda u: type("UBatchContext", (), {"__enter__": lambda self: self}),
+            "no longer registers its thread",
+        ),
+        ("dbo_current_ubatch_id", lambda u: lambda: 0, "reads (vLLM, plugin) = (0, 1)"),
+    ],
+    ids=["registry_rebound", "threads_registered_elsewhere", "vllm_reads_elsewhere"],
+)
+def test_thread_registry_check(monkeypatch, attribute, replacement, reason):
+    from vllm.v1.attention.backends.mla import index_group as target
+    from vllm.v1.worker import ubatching
+
+    assert index_group.check(target) is None
+    monkeypatch.setattr(ubatching, attribute, replacement(ubatching))
+    found = index_group.check(target)
+    assert found is not None and reason in found
+    assert not ubatching._THREAD_ID_TO_CONTEXT
+
+
+class Builder:
+    def __init__(self, logical_topk_indices, max_decode_rows=None) -> None: ...
+
+    def register_layer(self, is_index_producing_layer, vllm_config=None, **kwargs): ...
+
+
+class RenamedBuilder(Builder):
+    def __init__(self, topk_indices, max_decode_rows=None) -> None: ...
+
+
+def test_builder_signature_check():
+    assert index_group.builder_mismatch(Builder) is None
+    found = index_group.builder_mismatch(RenamedBuilder)
+    assert found is not None and "SparseMLAIndexGroupBuilder.__init__ takes" in found
+
+
+def buffer_mixin(fget) -> SimpleNamespace:
+    buffer = property(fget, lambda self, value: None)
+    mixin = type("SharedTopkIndicesBuffer", (), {"topk_indices_buffer": buffer})
+    return SimpleNamespace(SharedTopkIndicesBuffer=mixin)
+
+
+def test_buffer_property_check():
+    def vllms(self):
+        if self._indexer is not None:
+            return self._indexer.topk_indices_buffer
+        return self._topk_indices_buffer
+
+    assert sparse_mla_attention.check(buffer_mixin(vllms)) is None
+    found = sparse_mla_attention.check(buffer_mixin(lambda self: self._buffer))
+    assert found is not None and "reads ['_buffer']" in found
+
+
+def kernel(q, k_cache_prefix, topk_indices_buffer): ...
+
+
+def renamed_kernel(q, k_cache_prefix, topk_buffer): ...
+
+
+def op_module(body, wraps=kernel) -> SimpleNamespace:
+    """A module whose op body is vLLM's eager_break_during_capture wrapper of `wraps`."""
+    from vllm.compilation.breakable_cudagraph import eager_break_during_capture
+
+    op = eager_break_during_capture(wraps)
+    if body is not wraps:
+        sparse_attn_indexer.closure_cell(op, "fn").cell_contents = body
+    return SimpleNamespace(sparse_attn_indexer=op)
+
+
+@pytest.mark.parametrize(
+    "target, reason",
+    [
+        pytest.param(lambda: op_module(kernel), None, id="as_vllm"),
+        pytest.param(
+            lambda: SimpleNamespace(sparse_attn_indexer=kernel),
+            "no longer a wrapper",
+            id="unwrapped",
+        ),
+        pytest.param(lambda: op_module(renamed_kernel), "not the kernel it wraps", id="other_cell"),
+        pytest.param(
+            lambda: op_module(renamed_kernel, renamed_kernel),
+            "takes no topk_indices_buffer",
+            id="renamed_parameter",
+        ),
+    ],
+)
+def test_op_body_check(target, reason):
+    found = sparse_attn_indexer.check(target())
+    if reason is None:
+        assert found is None
+    else:
+        assert found is not None and reason in found
+
+
+def test_groups_no_patch_touched_are_refused_under_dbo():
+    """vLLM's own group class (index_group left unapplied) has no copies at all."""
+    import torch.nn as nn
+
+    layer = nn.Module()
+    layer.impl = SimpleNamespace(index_group=SimpleNamespace(num_layers=2, has_indexer=True))
+    model = nn.ModuleList([layer])
+    base_loader.check_wired(model, num_ubatches=1)
+    with pytest.raises(ValueError, match="Drop --enable-dbo"):
+        base_loader.check_wired(model, num_ubatches=2)
+
+
+def test_load_seam_signature_checks():
+    def build(config, *, prefix=""): ...
+
+    assert "takes no vllm_config" in base_loader.check(SimpleNamespace(initialize_model=build))
+    assert "takes no vllm_config" in tensorizer.check(SimpleNamespace(init_tensorizer_model=build))
+    from vllm.model_executor.model_loader import tensorizer as vllm_tensorizer, utils
+
+    assert base_loader.check(utils) is None and tensorizer.check(vllm_tensorizer) is None
+
+
+# A GLM-5-shaped stack (leader, two followers) built by initialize_model under DBO.
+LOAD_GLM5_STACK = """
+    import torch.nn as nn
+    from types import SimpleNamespace
+    from vllm.config import CompilationMode
+    from vllm.model_executor.model_loader import utils
+    from vllm_dsa_dbo import patches
+    from vllm_dsa_dbo.demo import SharedTopkStack, attention_module
+
+    print("UNAPPLIED", sorted(n for n, r in patches.wire(apply=False).items() if r))
+
+    class Model(nn.Module):
+        def __init__(self, *, vllm_config, prefix=""):
+            super().__init__()
+            stack = SharedTopkStack([True, False, False], num_ubatches=None)
+            self.layers = nn.ModuleList(attention_module(i, stack.buffer) for i in stack.impls)
+
+    with cpu_dbo.cpu_vllm() as config, cpu_dbo.fake_streams():
+        config.compilation_config.mode = CompilationMode.NONE
+        for dbo in (False, True):
+            config.parallel_config.enable_dbo = dbo
+            try:
+                utils.initialize_model(
+                    config, model_class=Model, model_config=SimpleNamespace(hf_config=None)
+                )
+                print("LOADED", dbo)
+            except ValueError as e:
+                print("REFUSED", dbo, " ".join(str(e).split()))
+"""
+CPU_DBO = """
+    import logging
+    logging.basicConfig(level=logging.INFO)
+    import vllm_dsa_dbo.cpu_dbo as cpu_dbo
+"""
+REGISTER = """
+    import vllm_dsa_dbo
+    vllm_dsa_dbo.register()
+"""
+BREAK_REGISTRY = """
+    import vllm_dsa_dbo.ubatch_topk
+    from vllm.v1.worker import ubatching
+    ubatching._THREAD_ID_TO_CONTEXT = {}
+"""
+DEPENDENT = [
+    "deepseek_v32_attention", "hy_v4_attention", "hy_v4_model", "index_group", "mla",
+    "rocm_dsa_attention", "rocm_dsa_model", "sparse_attn_indexer", "sparse_mla_attention",
+]
+
+
+def test_failed_check_leaves_its_path_unwired_and_the_model_refused():
+    wired = run_python(CPU_DBO, REGISTER, LOAD_GLM5_STACK)
+    assert "UNAPPLIED []" in wired.stdout, wired.stderr[-3000:]
+    assert "LOADED False" in wired.stdout and "LOADED True" in wired.stdout
+    assert "keeps shared top-k per DBO microbatch: 2 microbatches" in wired.stderr
+
+    broken = run_python(CPU_DBO, BREAK_REGISTRY, REGISTER, LOAD_GLM5_STACK)
+    assert f"UNAPPLIED {DEPENDENT}" in broken.stdout, broken.stdout + broken.stderr[-3000:]
+    assert "LOADED False" in broken.stdout
+    assert "REFUSED True vllm-dsa-dbo: Model shares top-k between layers" in broken.stdout
+    warnings = [line for line in broken.stderr.splitlines() if "left unapplied" in line]
+    assert len(warnings) == len(DEPENDENT)
+    registry = "index_group left unapplied: vllm.v1.worker.ubatching._THREAD_ID_TO_CONTEXT"
+    assert any(registry in w for w in warnings)
+
+
+def test_unwired_load_check_falls_back_to_the_guard():
+    result = run_python(
+        """
+        from vllm.model_executor.model_loader import utils
+        def initialize_model(config, *, prefix=""): ...
+        utils.initialize_model = initialize_model
+        """,
+        REGISTER,
+    )
+    log = result.stderr + result.stdout
+    assert "patch base_loader left unapplied" in log and "takes no vllm_config" in log, log[-3000:]
+    assert "could not install its load-time check here" in log
+    assert "refused (guard at vllm.config.VllmConfig.__post_init__)" in log

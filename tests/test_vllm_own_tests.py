@@ -1,0 +1,28 @@
+"""vLLM 0.33.0's own tests of what the plugin patches (DBO microbatch slicing
+and threads, the naive DP/EP prepare/finalize under DBO) give the same outcome,
+test by test, with the plugin loaded as stock. Skipped, with the reason, where
+vLLM's sdist is neither cached nor fetchable."""
+
+from __future__ import annotations
+
+import pytest
+
+import vllm_sdist
+
+VLLM_TESTS = [
+    "tests/v1/worker/test_ubatch_offsets.py",
+    "tests/v1/worker/test_gpu_ubatch_slicing.py",
+    "tests/kernels/moe/test_naive_dp_ep_dbo.py",
+]
+
+
+def test_vllm_own_tests_pass_with_the_plugin_as_stock():
+    try:
+        root = vllm_sdist.extract_tests(vllm_sdist.fetch(), vllm_sdist.CACHE / "src")
+    except vllm_sdist.SdistUnavailable as e:
+        pytest.skip(f"vLLM's own tests not run: {e}")
+    runs = vllm_sdist.compare(root, VLLM_TESTS)
+    (stock_summary, stock), (plugin_summary, plugin) = runs["stock"], runs["plugin"]
+    assert plugin and " passed" in plugin_summary, plugin_summary
+    assert "failed" not in plugin_summary and "error" not in plugin_summary, plugin_summary
+    assert plugin == stock, (stock_summary, plugin_summary)

@@ -1,0 +1,171 @@
+"""vLLM's own tests, from its PyPI sdist, run stock and with the plugin loaded.
+
+pip cannot prepare vLLM's sdist metadata without its build dependencies, so
+the file itself is fetched through pip's configured index (its simple API),
+checked against the sha256 the index gives, and cached.
+
+    python tests/vllm_sdist.py fetch [DIR]      # fetch into DIR (else the cache), print the path
+    python tests/vllm_sdist.py run PYTEST_ARGS  # run vLLM's tests stock and with the plugin
+
+`run` takes the sdist from $VLLM_DSA_DBO_SDIST, else the cache (fetching it),
+prints both pytest summaries and exits 1 if any test's outcome differs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+import urllib.request
+import xml.etree.ElementTree as ET
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+VERSION = "0.33.0"
+SDIST = f"vllm-{VERSION}.tar.gz"
+SDIST_ENV = "VLLM_DSA_DBO_SDIST"
+CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "vllm-dsa-dbo"
+SIMPLE_JSON = "application/vnd.pypi.simple.v1+json"
+
+
+class SdistUnavailable(Exception):
+    """The sdist is neither cached nor fetchable: vLLM's tests are skipped."""
+
+
+def index_url() -> str:
+    """pip's configured index (PIP_INDEX_URL, then `pip config`), else PyPI."""
+    url = os.environ.get("PIP_INDEX_URL")
+    if not url:
+        result = subprocess.run(
+            [sys.executable, "-m", "pip", "config", "get", "global.index-url"],
+            capture_output=True,
+            text=True,
+        )
+        url = result.stdout.strip() if result.returncode == 0 else ""
+    return (url or "https://pypi.org/simple").rstrip("/")
+
+
+def sdist_entry(index: str) -> tuple[str, str]:
+    """(url, sha256) of the sdist, as the index's simple API lists it."""
+    request = urllib.request.Request(f"{index}/vllm/", headers={"Accept": SIMPLE_JSON})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        page = json.load(response)
+    for entry in page["files"]:
+        if entry["filename"] == SDIST:
+            return urllib.request.urljoin(f"{index}/vllm/", entry["url"]), entry["hashes"]["sha256"]
+    raise SdistUnavailable(f"{index} lists no {SDIST}")
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def fetch(cache: Path = CACHE) -> Path:
+    """The sdist: $VLLM_DSA_DBO_SDIST, else cached in `cache`, else fetched there."""
+    given = os.environ.get(SDIST_ENV)
+    if given:
+        if not Path(given).is_file():
+            raise SdistUnavailable(f"{SDIST_ENV}={given} is not a file")
+        return Path(given)
+    path = cache / SDIST
+    if path.is_file():
+        return path
+    index = index_url()
+    try:
+        url, expected = sdist_entry(index)
+        cache.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".part")
+        urllib.request.urlretrieve(url, partial)
+    except (OSError, ValueError, KeyError) as e:
+        raise SdistUnavailable(f"cannot fetch {SDIST} from {index}: {e}") from None
+    if sha256(partial) != expected:
+        partial.unlink()
+        raise SdistUnavailable(f"{SDIST} from {index} does not match the index's sha256")
+    partial.rename(path)
+    return path
+
+
+def extract_tests(sdist: Path, dest: Path) -> Path:
+    """vLLM's `tests/` tree from `sdist`, under `dest`; returns its parent."""
+    root = dest / f"vllm-{VERSION}"
+    if not (root / "tests").is_dir():
+        with tarfile.open(sdist) as tar:
+            members = [m for m in tar.getmembers() if m.name.startswith(f"{root.name}/tests/")]
+            tar.extractall(dest, members=members, filter="data")
+    return root
+
+
+# Stock: no plugin loads (VLLM_PLUGINS matches none). With the plugin: registered
+# before collection, and the run stops unless it patched vLLM.
+RUNNERS = {
+    "stock": "import sys, pytest; sys.exit(pytest.main(sys.argv[1:]))",
+    "plugin": (
+        "import sys, pytest, vllm_dsa_dbo; vllm_dsa_dbo.register(); "
+        "from vllm.v1.attention.backends.mla import index_group; "
+        "getattr(index_group, '_vllm_dsa_dbo_patched', False) or sys.exit('not patched'); "
+        "sys.exit(pytest.main(sys.argv[1:]))"
+    ),
+}
+
+
+def run(root: Path, args: list[str], mode: str) -> tuple[str, dict[str, str]]:
+    """One pytest run of vLLM's tests under `root`: its summary line and each test's outcome."""
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS" and "DSA_DBO" not in k}
+    if mode == "stock":
+        env["VLLM_PLUGINS"] = ""
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "report.xml"
+        result = subprocess.run(
+            [sys.executable, "-c", RUNNERS[mode], "-q", "-p", "no:cacheprovider",
+             f"--junitxml={report}", *args],
+            cwd=root,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        lines = result.stdout.strip().splitlines() or [result.stderr.strip()[-2000:]]
+        if not report.is_file():
+            return f"{mode}: no report ({lines[-1]})", {}
+        outcomes = {}
+        for case in ET.parse(report).iter("testcase"):
+            kinds = [child.tag for child in case if child.tag in ("failure", "error", "skipped")]
+            outcomes[f"{case.get('classname')}::{case.get('name')}"] = (kinds or ["passed"])[0]
+    return f"{mode}: {lines[-1]}", outcomes
+
+
+def compare(root: Path, args: list[str]) -> dict[str, tuple[str, dict[str, str]]]:
+    """The stock and the plugin run, side by side (each is one process)."""
+    with ThreadPoolExecutor(2) as pool:
+        runs = {mode: pool.submit(run, root, args, mode) for mode in RUNNERS}
+        return {mode: future.result() for mode, future in runs.items()}
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["fetch"] and len(argv) <= 2:
+        print(fetch(Path(argv[1]) if len(argv) > 1 else CACHE))
+        return 0
+    if argv[:1] != ["run"] or len(argv) < 2:
+        print(__doc__, file=sys.stderr)
+        return 2
+    root = extract_tests(fetch(), CACHE / "src")
+    runs = compare(root, argv[1:])
+    for summary, _ in runs.values():
+        print(summary)
+    same = runs["stock"][1] == runs["plugin"][1] and runs["stock"][1]
+    print("same outcomes, test by test" if same else "OUTCOMES DIFFER (or nothing ran)")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except SdistUnavailable as e:
+        sys.exit(f"error: {e}")
