@@ -10,7 +10,13 @@ import sys
 from importlib.metadata import PackageNotFoundError, entry_points, version
 from pathlib import Path
 
-from vllm_dsa_dbo import DISABLE_ENV, SUPPORTED_VLLM, disabled_by_env, is_supported_vllm
+from vllm_dsa_dbo import (
+    DISABLE_ENV,
+    SUPPORTED_VLLM,
+    EnvValueError,
+    disabled_by_env,
+    is_supported_vllm,
+)
 from vllm_dsa_dbo.layout import groups_with_followers, leader_mask
 
 ENTRY_POINT_GROUP = "vllm.general_plugins"
@@ -24,6 +30,8 @@ GLM53 = {
     "index_skip_topk_offset": 3,
 }
 PRESETS = {"glm-5.3": GLM53}
+# `python -m vllm_dsa_dbo.demo` exits with this when a read crossed microbatches.
+DEMO_CROSSED = 3
 
 
 class UsageError(Exception):
@@ -77,13 +85,24 @@ def status(args: argparse.Namespace) -> int:
         print(f"VLLM_PLUGINS: {allowed!r} (includes {ENTRY_POINT_NAME})")
     else:
         print(f"VLLM_PLUGINS: {allowed!r} (does NOT include {ENTRY_POINT_NAME})")
-        problems.append(f"VLLM_PLUGINS filters out {ENTRY_POINT_NAME}")
+        spaced = ENTRY_POINT_NAME in [name.strip() for name in allowed.split(",")]
+        problems.append(
+            f"VLLM_PLUGINS filters out {ENTRY_POINT_NAME}"
+            + (" (vLLM matches names exactly: drop the spaces)" if spaced else "")
+        )
 
-    if disabled_by_env():
-        print(f"{DISABLE_ENV}: set, the plugin patches nothing")
-        problems.append(f"{DISABLE_ENV} is set")
+    errors: list[str] = []
+    try:
+        disabled = disabled_by_env()
+    except EnvValueError as e:
+        errors.append(f"{e}; vLLM logs this and applies the fix")
+        print(f"{DISABLE_ENV}: {env_shown(DISABLE_ENV)} NOT understood")
     else:
-        print(f"{DISABLE_ENV}: not set")
+        meaning = "the plugin patches nothing" if disabled else "fix on"
+        print(f"{DISABLE_ENV}: {env_shown(DISABLE_ENV)} ({meaning})")
+        if disabled:
+            problems.append(f"{DISABLE_ENV} is set")
+    print(check_line(errors))
 
     from vllm_dsa_dbo.patches import patch_modules
 
@@ -92,11 +111,30 @@ def status(args: argparse.Namespace) -> int:
         patch = module.PATCH
         print(f"  {patch.target}\n    how: {patch.how}\n    remove when: {patch.remove_when}")
 
+    if errors:
+        raise UsageError("; ".join(errors))
     if problems:
         print("fix NOT active: " + "; ".join(problems))
         return 1
     print("fix active: vLLM will apply it in every process")
     return 0
+
+
+def env_shown(name: str) -> str:
+    return repr(os.environ[name]) if name in os.environ else "not set"
+
+
+def check_line(errors: list[str]) -> str:
+    """The status line for VLLM_DSA_DBO_CHECK; a value it does not know goes to `errors`."""
+    from vllm_dsa_dbo.isolation import CHECK_ENV, mode_from_env
+
+    try:
+        mode = mode_from_env()
+    except EnvValueError as e:
+        errors.append(f"{e}; vLLM logs this and runs with the checker off")
+        return f"{CHECK_ENV}: {env_shown(CHECK_ENV)} NOT understood"
+    state = "off" if mode is None else f"on in every vLLM process, mode {mode}"
+    return f"{CHECK_ENV}: {env_shown(CHECK_ENV)} (isolation checker {state})"
 
 
 # memory ---------------------------------------------------------------------
@@ -190,9 +228,10 @@ def memory(args: argparse.Namespace) -> int:
 
 
 def demo(args: argparse.Namespace) -> int:
+    check = plugin_env()
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
     env.pop("VLLM_PLUGINS", None)
-    summaries = {}
+    crossed = {}
     for phase, disable in (("stock", "1"), ("fixed", "")):
         result = subprocess.run(
             [sys.executable, "-m", "vllm_dsa_dbo.demo", "--phase", phase],
@@ -200,17 +239,30 @@ def demo(args: argparse.Namespace) -> int:
             capture_output=True,
             text=True,
         )
-        lines = [l for l in result.stdout.splitlines() if l.strip()]
-        if result.returncode != 0 or not lines:
+        lines = [line for line in result.stdout.splitlines() if line.strip()]
+        if result.returncode not in (0, DEMO_CROSSED) or not lines:
             sys.stderr.write(result.stderr[-4000:])
             print(f"error: the {phase} demo failed (exit {result.returncode})", file=sys.stderr)
             return 1
         print("\n".join(lines) + "\n")
-        summaries[phase] = lines[-1]
-    fixed_clean = " 0 of " in summaries["fixed"]
-    print("the fix keeps every follower on its own microbatch's top-k" if fixed_clean
-          else "error: reads still crossed microbatches with the fix")
-    return 0 if fixed_clean else 1
+        crossed[phase] = result.returncode == DEMO_CROSSED
+    if crossed["fixed"]:
+        print("error: reads still crossed microbatches with the fix", file=sys.stderr)
+        return 1
+    checked = f", and the isolation checker ({check}) saw no bad read" if check else ""
+    print(f"the fix keeps every follower on its own microbatch's top-k{checked}")
+    return 0
+
+
+def plugin_env() -> str | None:
+    """The checker mode the plugin's environment asks for; UsageError for a value it does not know."""
+    from vllm_dsa_dbo.isolation import mode_from_env
+
+    try:
+        disabled_by_env()
+        return mode_from_env()
+    except EnvValueError as e:
+        raise UsageError(str(e)) from None
 
 
 # ab -------------------------------------------------------------------------
