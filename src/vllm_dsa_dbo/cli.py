@@ -17,7 +17,16 @@ from vllm_dsa_dbo import (
     disabled_by_env,
     is_supported_vllm,
 )
-from vllm_dsa_dbo.layout import groups_with_followers, leader_mask
+from vllm_dsa_dbo.layout import (
+    GROUPS,
+    LOGICAL,
+    PLATFORMS,
+    REFUSED,
+    UNSHARED,
+    Layout,
+    check_config,
+    layout,
+)
 
 ENTRY_POINT_GROUP = "vllm.general_plugins"
 ENTRY_POINT_NAME = "dsa_dbo"
@@ -140,38 +149,40 @@ def check_line(errors: list[str]) -> str:
 # memory ---------------------------------------------------------------------
 
 
-def load_config(args: argparse.Namespace) -> tuple[str, dict]:
+def load_config(args: argparse.Namespace) -> tuple[str, Layout]:
+    """The model's layout on the chosen platform; the JSON is checked before vLLM is imported."""
     if args.preset:
-        return f"preset {args.preset}", PRESETS[args.preset]
-    path = Path(args.config)
-    if path.is_dir():
-        path = path / "config.json"
+        source, config = f"preset {args.preset}", PRESETS[args.preset]
+    else:
+        path = Path(args.config)
+        if path.is_dir():
+            path = path / "config.json"
+        source, config = str(path), read_json(path)
+        if not isinstance(config, dict):
+            raise UsageError(f"{path} is not a JSON object")
     try:
-        config = json.loads(path.read_text())
+        code_path, text = check_config(config, args.platform)
+        return source, layout(code_path, text)
+    except ValueError as e:  # ConfigError, or vLLM's own config class refusing it
+        raise UsageError(f"{source}: {e}") from None
+
+
+def read_json(path: Path) -> object:
+    try:
+        return json.loads(path.read_bytes().decode("utf-8"))
     except OSError as e:
         raise UsageError(f"cannot read {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
     except json.JSONDecodeError as e:
         raise UsageError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(config, dict):
-        raise UsageError(f"{path} is not a JSON object")
-    config = config.get("text_config", config)
-    if "index_topk" not in config:
-        raise UsageError(
-            f"{path} is not a DeepSeek Sparse Attention config (no index_topk): "
-            "the plugin allocates nothing for this model"
-        )
-    for key in ("num_hidden_layers", "index_topk"):
-        if not isinstance(config.get(key), int) or config[key] < 1:
-            raise UsageError(f"{path}: {key} must be a positive integer, got {config.get(key)!r}")
-    return str(path), config
 
 
 def memory(args: argparse.Namespace) -> int:
+    source, model = load_config(args)
     from vllm_dsa_dbo.ubatch_topk import ubatch_topk_bytes_per_extra_ubatch
 
-    source, config = load_config(args)
-    leaders = leader_mask(config)
-    followed = groups_with_followers(leaders)
+    followed = model.groups_with_followers
     max_decode_rows = min(
         args.max_num_batched_tokens, args.max_num_seqs * (1 + args.num_speculative_tokens)
     )
@@ -179,43 +190,69 @@ def memory(args: argparse.Namespace) -> int:
     per_ubatch = ubatch_topk_bytes_per_extra_ubatch(
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_decode_rows=max_decode_rows,
-        index_topk=config["index_topk"],
-        groups_with_followers=followed,
+        index_topk=model.index_topk,
+        groups_with_followers=followed if model.path.copies in (GROUPS, LOGICAL) else 0,
+        logical_only=model.path.copies == LOGICAL,
     )
+    refused = model.refused_under_dbo and extra_ubatches > 0
+    if extra_ubatches == 0:
+        verdict = "no DBO: nothing allocated"
+    elif refused:
+        verdict = (
+            f"{REFUSED}: with --enable-dbo every worker stops at model load with a message, "
+            "since the plugin does not keep this path's shared top-k per microbatch"
+        )
+    elif model.path.copies == UNSHARED:
+        verdict = UNSHARED
+    elif not model.followers:
+        verdict = "no layer reuses another's top-k: nothing allocated"
+    else:
+        verdict = f"allocated at model load: {model.path.copies}"
     report = {
         "model": source,
-        "architecture": (config.get("architectures") or ["?"])[0],
-        "layers": len(leaders),
-        "leaders": [i for i, lead in enumerate(leaders) if lead],
-        "followers": sum(not lead for lead in leaders),
+        "architecture": model.architecture,
+        "platform": args.platform,
+        "code_path": model.path.module,
+        "layers": model.num_layers,
+        "leaders": model.leaders,
+        "followers": len(model.followers),
         "groups_with_followers": followed,
-        "index_topk": config["index_topk"],
+        "index_topk": model.index_topk,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_decode_rows": max_decode_rows,
         "num_ubatches": args.num_ubatches,
-        "bytes_per_extra_ubatch": per_ubatch,
-        "bytes_total": per_ubatch * extra_ubatches,
+        "verdict": verdict,
+        "notes": model.notes,
+        "bytes_per_extra_ubatch": None if refused else per_ubatch,
+        "bytes_total": None if refused else per_ubatch * extra_ubatches,
     }
     if args.json:
         print(json.dumps(report, indent=1))
         return 0
-    print(f"model: {source} ({report['architecture']}, {len(leaders)} layers, index_topk {config['index_topk']})")
-    print(f"leaders ({len(report['leaders'])}): {' '.join(map(str, report['leaders']))}")
-    print(f"followers: {report['followers']}; index groups with followers: G = {followed}")
-    print(
-        f"max_decode_rows = min({args.max_num_batched_tokens}, "
-        f"{args.max_num_seqs} x {1 + args.num_speculative_tokens}) = {max_decode_rows}"
-    )
-    if extra_ubatches == 0 or followed == 0:
-        reason = "no DBO" if extra_ubatches == 0 else "no layer reuses another's top-k"
-        print(f"extra memory: 0 bytes ({reason})")
+    print(f"model: {source} ({model.architecture}, {model.num_layers} layers, "
+          f"index_topk {model.index_topk})")
+    print(f"vLLM code path: {model.path.module} ({args.platform})")
+    if model.leaders is not None:
+        print(f"leaders ({len(model.leaders)}): {' '.join(map(str, model.leaders))}")
+    print(f"followers ({len(model.followers)}, reusing another layer's top-k): "
+          f"{' '.join(map(str, model.followers)) or 'none'}")
+    for note in model.notes:
+        print(f"note: {note}")
+    if per_ubatch == 0 or refused or extra_ubatches == 0:
+        print(f"extra memory: {'none' if refused else '0 bytes'}; {verdict}")
         return 0
-    rows = max_decode_rows + 1
-    k = config["index_topk"]
+    k, tokens = model.index_topk, args.max_num_batched_tokens
     print(f"extra bytes per GPU per extra microbatch: {per_ubatch:,} ({per_ubatch / 2**20:.1f} MiB)")
-    print(f"  logical top-k buffer   {args.max_num_batched_tokens} x {k} x 4 = {args.max_num_batched_tokens * k * 4:,}")
-    print(f"  physical top-k rows    {followed} x {rows} x {k} x 4 = {followed * rows * k * 4:,}")
-    print(f"  valid counts           {followed} x {rows} x 4 = {followed * rows * 4:,}")
+    print(f"  logical top-k buffer   {tokens} x {k} x 4 = {tokens * k * 4:,}")
+    if model.path.copies == GROUPS:
+        rows = max_decode_rows + 1
+        print(f"  index groups with followers: G = {followed}; max_decode_rows = "
+              f"min({tokens}, {args.max_num_seqs} x {1 + args.num_speculative_tokens}) = "
+              f"{max_decode_rows}")
+        print(f"  physical top-k rows    {followed} x {rows} x {k} x 4 = {followed * rows * k * 4:,}")
+        print(f"  valid counts           {followed} x {rows} x 4 = {followed * rows * 4:,}")
+    else:
+        print(f"  ({model.path.copies})")
     print(
         f"microbatches: {args.num_ubatches}, so {extra_ubatches} extra: "
         f"{report['bytes_total']:,} bytes ({report['bytes_total'] / 2**20:.1f} MiB) per GPU, "
@@ -332,6 +369,10 @@ def build_parser() -> argparse.ArgumentParser:
         type=whole_number(1),
         default=2,
         help="microbatches per step: 2 with --enable-dbo (default), 1 without",
+    )
+    p.add_argument(
+        "--platform", choices=PLATFORMS, default="cuda",
+        help="the GPU platform vLLM runs on: its code path (and so the copies) differ",
     )
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.set_defaults(func=memory)
