@@ -250,6 +250,9 @@ def test_endpoint_errors(tmp_path):
             ("--endpoints", up, up, *questions, "--fewshot", str(tmp_path / "test.jsonl"),
              "--num-fewshot", "3"): "3 few-shot examples asked for, 2 given",
             (str(tmp_path), "--endpoints", up, up, *questions): "not both",
+            (str(tmp_path), str(tmp_path), *questions): "--questions apply only with --endpoints",
+            ("--endpoints", up, up, *questions, "--fewshot", str(tmp_path / "test.jsonl")):
+                "--fewshot needs --num-fewshot N",
         }
         for args, message in cases.items():
             result = cli("ab", *args)

@@ -115,6 +115,7 @@ def test_status_shows_the_env_switches_spelled_off():
       "or audit to turn the checker on"),
      ({"VLLM_DSA_DBO_DISABLE": "maybe"}, "VLLM_DSA_DBO_DISABLE='maybe' is not understood: "
       "set 1, true, yes or on to turn the fix off")],
+    ids=["check-bogus", "disable-maybe"],
 )
 def test_status_unknown_env_value_is_an_error(env, message):
     """Not "fix active" and not "not set": one error naming the value and what it may be."""
@@ -170,7 +171,7 @@ def test_memory_without_dbo_or_followers_is_zero(tmp_path):
 @pytest.mark.parametrize(
     "content, args, message",
     [
-        (None, ["--config", "/nonexistent/config.json"], "cannot read"),
+        pytest.param(None, ["--config", "/nonexistent/config.json"], "cannot read", id="missing"),
         ("{not json", [], "is not valid JSON"),
         ("[1, 2]", [], "is not a JSON object"),
         ('{"num_hidden_layers": 4}', [], "architectures must name the model class"),
@@ -187,8 +188,10 @@ def test_memory_without_dbo_or_followers_is_zero(tmp_path):
          "index_topk must be a whole number >= 1, got 64.0"),
         (f'{{{GLM}, "text_config": null}}', [], "text_config must be a JSON object, got null"),
         (f'{{{GLM}, "text_config": [1]}}', [], "text_config must be a JSON object, got [1]"),
-        *[(f'{{{GLM}, {GLM_SIZE}, {key}}}', [], message) for key, message in [
+        *[pytest.param(f'{{{GLM}, {GLM_SIZE}, {key}}}', [], message, id=key)
+          for key, message in [
             ('"index_topk_freq": "4"', "index_topk_freq must be a whole number >= 1, got '4'"),
+            # vLLM divides by it (v32) or refuses it (HYV4); never 1 by default.
             ('"index_topk_freq": 0', "index_topk_freq must be a whole number >= 1, got 0"),
             ('"index_topk_freq": null', "index_topk_freq must be a whole number >= 1, got null"),
             ('"index_topk_freq": -4', "index_topk_freq must be a whole number >= 1, got -4"),
@@ -200,8 +203,9 @@ def test_memory_without_dbo_or_followers_is_zero(tmp_path):
             ('"index_topk_pattern": ["F", 1]', "index_topk_pattern must be F (runs the indexer) or S"),
             ('"index_topk_pattern": {"0": "F"}', "index_topk_pattern must be F (runs the indexer) or S"),
         ]],
-        ('{"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 4, "index_topk": 64}', [],
-         "LlamaForCausalLM is not a DSA model"),
+        pytest.param(
+            '{"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 4, "index_topk": 64}',
+            [], "LlamaForCausalLM is not a DSA model", id="not-dsa"),
         ('{"architectures": ["HYV4ForCausalLM"], "num_hidden_layers": 3, "index_topk": 64, '
          '"indexer_types": ["full", "shared"]}', [],
          "indexer_types must hold 'full' or 'shared' for each of the 3 layers"),
@@ -298,6 +302,7 @@ def test_demo_refuses_an_unknown_checker_value():
           "index_topk_freq": 2}, ["--platform", "rocm"],
          "  (logical top-k buffer only (followers build private single-layer groups))"),
     ],
+    ids=["hy-v4", "deepseek-v41", "rocm-dsa"],
 )
 def test_memory_command_follows_the_architecture(tmp_path, config, args, shown):
     (tmp_path / "config.json").write_text(json.dumps(config))

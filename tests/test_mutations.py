@@ -1,5 +1,5 @@
 """The core test (and the HYV4, ROCm DSA and compiled DSA tests for their patches) fails when any part of
-the fix is removed from the source.
+the fix is removed from the source; so does each bad-input test when its check is.
 
 Each mutation edits a copy of the package and runs its test against it
 in a fresh interpreter, as a reviewer would check it by hand.
@@ -116,6 +116,70 @@ MUTATIONS = {
         "        state.logical_topk_ready = group.logical_topk_ready\n",
         "        pass\n",
         COMPILED_TEST,
+    ),
+    # Bad input never crashes and never lies (issue 19).
+    "demo: the checker's raise ends the stock phase with a traceback": (
+        "demo.py",
+        "        except isolation.MicrobatchIsolationError as e:\n",
+        "        except KeyError as e:\n",
+        "tests/test_isolation.py::test_raise_mode_stops_at_the_first_bad_read_on_stock_vllm",
+    ),
+    "register raises on an unknown VLLM_DSA_DBO_CHECK": (
+        "__init__.py",
+        '        logger.error("vllm-dsa-dbo: %s. The isolation checker stays off.", e)\n'
+        "        check = None\n",
+        "        raise\n",
+        "tests/test_plugin.py::test_vllm_starts_with_any_env_value[check-bogus]",
+    ),
+    "status passes over an unknown VLLM_DSA_DBO_CHECK": (
+        "cli.py",
+        '        errors.append(f"{e}; vLLM logs this and runs with the checker off")\n',
+        "        pass\n",
+        "tests/test_cli.py::test_status_unknown_env_value_is_an_error[check-bogus]",
+    ),
+    "memory imports torch before it reads the config": (
+        "cli.py",
+        "    source, model = load_config(args)\n"
+        "    from vllm_dsa_dbo.ubatch_topk import ubatch_topk_bytes_per_extra_ubatch\n",
+        "    from vllm_dsa_dbo.ubatch_topk import ubatch_topk_bytes_per_extra_ubatch\n"
+        "    source, model = load_config(args)\n",
+        "tests/test_cli.py::test_memory_bad_config[missing]",
+    ),
+    "memory leaves a string index_topk_freq to vLLM": (
+        "layout.py",
+        '        _whole(text, "index_topk_freq", 1, 1)\n',
+        "        pass\n",
+        'tests/test_cli.py::test_memory_bad_config["index_topk_freq": "4"]',
+    ),
+    "memory sizes any architecture with index_topk": (
+        "layout.py",
+        "    if architecture not in CODE_PATHS:\n",
+        "    if False:\n",
+        "tests/test_cli.py::test_memory_bad_config[not-dsa]",
+    ),
+    "memory counts physical copies HYV4 does not make": (
+        "cli.py",
+        "        logical_only=model.path.copies == LOGICAL,\n",
+        "        logical_only=False,\n",
+        "tests/test_memory.py::test_memory_is_what_hy_v4_allocates",
+    ),
+    "memory sizes DeepSeek-V4.1, which the loader refuses under DBO": (
+        "layout.py",
+        '        CodePath("vllm/models/deepseek_v41", "deepseek_v41", REFUSED)\n',
+        '        CodePath("vllm/models/deepseek_v41", None, UNSHARED)\n',
+        "tests/test_cli.py::test_memory_command_follows_the_architecture[deepseek-v41]",
+    ),
+    "ab compares runs on other questions": (
+        "ab.py",
+        "        check_same_questions(ref, run)\n",
+        "        pass\n",
+        "tests/test_ab.py::test_runs_on_other_questions_are_refused",
+    ),
+    "ab merges two runs' samples files": (
+        "ab.py",
+        "    if len(files) > 1:\n",
+        "    if False:\n",
+        "tests/test_ab.py::test_a_folder_with_two_runs_is_refused",
     ),
 }
 

@@ -74,6 +74,7 @@ CHECKER = """
         ({"VLLM_DSA_DBO_CHECK": "off", "VLLM_DSA_DBO_DISABLE": "0"}, True, None, None),
         ({"VLLM_DSA_DBO_CHECK": "Audit", "VLLM_DSA_DBO_DISABLE": "yes"}, False, "audit", None),
     ],
+    ids=["check-bogus", "disable-maybe", "off-spellings", "checker-only"],
 )
 def test_vllm_starts_with_any_env_value(env, patched, checker, logged):
     """vLLM's plugin loader never sees an exception: an unknown value is logged as an

@@ -312,6 +312,10 @@ def ab_runs(args: argparse.Namespace) -> list:
     if not args.endpoints:
         if len(args.runs) < 2:
             raise UsageError("give two or more lm_eval output folders, or --endpoints")
+        live_only = [f"--{name}" for name in ("questions", "fewshot", "model")
+                     if getattr(args, name) is not None]
+        if live_only:
+            raise UsageError(f"{', '.join(live_only)} apply only with --endpoints")
         for folder in args.runs:
             if not Path(folder).is_dir():
                 raise UsageError(f"{folder} is not a folder")
@@ -322,6 +326,8 @@ def ab_runs(args: argparse.Namespace) -> list:
         raise UsageError("--endpoints needs two or more URLs and --questions")
     if args.num_fewshot and args.fewshot is None:
         raise UsageError("--num-fewshot needs --fewshot")
+    if args.fewshot is not None and not args.num_fewshot:
+        raise UsageError("--fewshot needs --num-fewshot N (examples per question)")
     docs = read_docs(args.questions)
     shots = read_docs(args.fewshot) if args.num_fewshot else []
     texts = prompts(docs, shots, args.num_fewshot)
