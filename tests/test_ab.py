@@ -295,12 +295,13 @@ def test_bad_questions_urls_and_server_replies(tmp_path):
     for name, data in files.items():
         (tmp_path / name).write_bytes(data)
     questions = ["--questions", str(tmp_path / "test.jsonl")]
-    no_text = http_reply(b'{"choices": [{"text": null}], "data": [{"id": "m"}]}')
+    no_text = http_reply(b'{"choices": [{"text": null}], "data": [{"id": "tiny-glm5"}]}')
     with fake_openai(lambda prompt: "#### 0") as (up, _), \
             raw_server(b"garbage\r\n\r\n") as not_http, \
             raw_server(http_reply(b"<html>busy</html>")) as html, \
             raw_server(no_text) as null_text, \
             raw_server(http_reply(b'{"data": []}')) as no_models, \
+            raw_server(http_reply(b'{"data": [{"id": "other"}]}')) as other_model, \
             raw_server(http_reply(b"overloaded", "503 Service Unavailable")) as busy:
         cases = {
             ("--questions", str(tmp_path / "latin1.jsonl")): "is not UTF-8 text",
@@ -316,10 +317,11 @@ def test_bad_questions_urls_and_server_replies(tmp_path):
             (up, "ftp://127.0.0.1/v1"): "is not an http(s) URL",
             (up, "http://127.0.0.1:port/v1"): "is not an http(s) URL",
             (up, "http://[::1/v1"): "is not an http(s) URL",
-            (up, not_http): "/completions: not an HTTP answer: BadStatusLine",
+            (up, not_http): "/v1/models: not an HTTP answer: BadStatusLine",
             (up, html): "the answer is not JSON: b'<html>busy</html>'",
             (null_text, up): "/completions: not a completions answer",
             (up, no_models): "/models: no model listed; give --model",
+            (up, other_model): "the endpoints serve different models (tiny-glm5, other)",
             (up, busy): "HTTP 503: overloaded",
         }.items():
             cases[("--endpoints", *urls, *questions)] = message
@@ -328,4 +330,5 @@ def test_bad_questions_urls_and_server_replies(tmp_path):
         for args, message in cases.items():
             result = cli("ab", *args)
             assert result.returncode == 2, (args, result.stdout, result.stderr)
-            assert message in result.stderr and "Traceback" not in result.stderr, (args, result.stderr)
+            assert message in result.stderr, (args, result.stderr)
+            assert "Traceback" not in result.stderr

@@ -161,7 +161,8 @@ def test_memory_matches_the_builders_allocation(fake_gpu, tmp_path):
 def test_memory_without_dbo_or_followers_is_zero(tmp_path):
     assert "0 bytes; no DBO" in cli("memory", "--preset", "glm-5.3", "--num-ubatches", "1").stdout
     # DeepSeek-V3.2: freq 1
-    config = {"architectures": ["DeepseekV32ForCausalLM"], "num_hidden_layers": 61, "index_topk": 2048}
+    config = {"architectures": ["DeepseekV32ForCausalLM"], "num_hidden_layers": 61,
+              "index_topk": 2048}
     (tmp_path / "config.json").write_text(json.dumps(config))
     result = cli("memory", "--config", str(tmp_path / "config.json"))
     assert result.returncode == 0 and "followers (0, " in result.stdout
@@ -175,7 +176,8 @@ def test_memory_without_dbo_or_followers_is_zero(tmp_path):
         ("{not json", [], "is not valid JSON"),
         ("[1, 2]", [], "is not a JSON object"),
         ('{"num_hidden_layers": 4}', [], "architectures must name the model class"),
-        ('{"architectures": "GlmMoeDsaForCausalLM"}', [], "architectures must name the model class"),
+        ('{"architectures": "GlmMoeDsaForCausalLM"}', [],
+         "architectures must name the model class"),
         ('{"architectures": ["GlmMoeDsaForCausalLM"], "num_hidden_layers": 4}', [],
          "not a DeepSeek Sparse Attention config"),
         (f'{{{GLM}, "num_hidden_layers": 0, "index_topk": 64}}', [],
@@ -196,12 +198,11 @@ def test_memory_without_dbo_or_followers_is_zero(tmp_path):
             ('"index_topk_freq": null', "index_topk_freq must be a whole number >= 1, got null"),
             ('"index_topk_freq": -4', "index_topk_freq must be a whole number >= 1, got -4"),
             ('"index_topk_freq": 4.5', "index_topk_freq must be a whole number >= 1, got 4.5"),
-            ('"index_skip_topk_offset": "3"', "index_skip_topk_offset must be a whole number, got '3'"),
-            ('"index_skip_topk_offset": null', "index_skip_topk_offset must be a whole number, got null"),
-            ('"index_topk_pattern": 12345', "index_topk_pattern must be F (runs the indexer) or S"),
-            ('"index_topk_pattern": "FSX"', "index_topk_pattern must be F (runs the indexer) or S"),
-            ('"index_topk_pattern": ["F", 1]', "index_topk_pattern must be F (runs the indexer) or S"),
-            ('"index_topk_pattern": {"0": "F"}', "index_topk_pattern must be F (runs the indexer) or S"),
+            *[(f'"index_skip_topk_offset": {offset}',
+               f"index_skip_topk_offset must be a whole number, got {shown}")
+              for offset, shown in (('"3"', "'3'"), ("null", "null"))],
+            *[(f'"index_topk_pattern": {pattern}', "index_topk_pattern must be F (runs the indexer)")
+              for pattern in ('12345', '"FSX"', '["F", 1]', '{"0": "F"}')],
         ]],
         pytest.param(
             '{"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 4, "index_topk": 64}',
@@ -219,7 +220,8 @@ def test_memory_without_dbo_or_followers_is_zero(tmp_path):
          '"compress_ratios": [0, 1], "kv_source_layer_ids": [1], "index_source_layer_ids": [2]}',
          [], "layer 1 is compressed but no index_source_layer_ids entry is at or below it"),
         ('{"architectures": ["DeepseekV41ForCausalLM"], "num_hidden_layers": 2, "index_topk": 64, '
-         '"candidate_source_layer_id": null}', [], "candidate_source_layer_id must be a whole number"),
+         '"candidate_source_layer_id": null}', [],
+         "candidate_source_layer_id must be a whole number"),
         ('{"architectures": ["MiniMaxM3SparseForCausalLM"], "num_hidden_layers": 2, '
          '"index_topk": 64, "index_topk_freq": "four"}', ["--platform", "rocm"],
          "index_topk_freq must be a whole number, got 'four'"),

@@ -51,7 +51,9 @@ def test_raise_mode_stops_at_the_first_bad_read_on_stock_vllm():
 def test_fix_gives_zero_violations():
     result = demo("fixed", VLLM_DSA_DBO_CHECK="raise")
     assert result.returncode == 0, result.stderr[-3000:]
-    match = re.search(r"isolation checker \(raise\): (\d+) violations in (\d+) checked reads", result.stdout)
+    match = re.search(
+        r"isolation checker \(raise\): (\d+) violations in (\d+) checked reads", result.stdout
+    )
     assert match and match[1] == "0" and int(match[2]) >= 16
 
 

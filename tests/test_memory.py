@@ -112,7 +112,8 @@ def test_memory_is_what_hy_v4_allocates(fake_gpu, monkeypatch, capsys):
     report = memory_report(capsys, {**HF_CONFIG, "architectures": ["HYV4ForCausalLM"]},
                            "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS))
     assert report["leaders"] == [i for i, lead in enumerate(LEADERS) if lead]
-    assert report["bytes_total"] == allocated == MAX_NUM_BATCHED_TOKENS * HF_CONFIG["index_topk"] * 4
+    logical_buffer = MAX_NUM_BATCHED_TOKENS * HF_CONFIG["index_topk"] * 4
+    assert report["bytes_total"] == allocated == logical_buffer
 
 
 def test_memory_is_what_rocm_dsa_allocates(fake_gpu, monkeypatch, capsys):
@@ -196,4 +197,6 @@ def test_memory_notes_what_vllm_ignores(capsys):
     assert report["leaders"] == [0, 1, 5] and "ignores index_topk_freq" in report["notes"][0]
     short = memory_report(capsys, {**GLM5_8, "index_topk_pattern": "FFFS"})
     assert short["leaders"] == [0, 1, 2, 4, 5, 6, 7]
-    assert short["notes"] == ["index_topk_pattern covers 4 of 8 layers: the rest run their own indexer"]
+    assert short["notes"] == [
+        "index_topk_pattern covers 4 of 8 layers: the rest run their own indexer"
+    ]

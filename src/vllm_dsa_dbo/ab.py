@@ -325,4 +325,9 @@ def endpoint_runs(
         if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
             raise ABError(f"{url} is not an http(s) URL, e.g. http://127.0.0.1:8000/v1")
     models = [model or served_model(url) for url in urls]
+    if len(set(models)) > 1:
+        raise ABError(
+            f"the endpoints serve different models ({', '.join(models)}): compare one model "
+            "with DBO off and on, or give --model to ask each for the same name"
+        )
     return [query(url, m, docs, texts, max_tokens, concurrency) for url, m in zip(urls, models)]

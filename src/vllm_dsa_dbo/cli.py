@@ -249,7 +249,8 @@ def memory(args: argparse.Namespace) -> int:
         print(f"  index groups with followers: G = {followed}; max_decode_rows = "
               f"min({tokens}, {args.max_num_seqs} x {1 + args.num_speculative_tokens}) = "
               f"{max_decode_rows}")
-        print(f"  physical top-k rows    {followed} x {rows} x {k} x 4 = {followed * rows * k * 4:,}")
+        physical = followed * rows * k * 4
+        print(f"  physical top-k rows    {followed} x {rows} x {k} x 4 = {physical:,}")
         print(f"  valid counts           {followed} x {rows} x 4 = {followed * rows * 4:,}")
     else:
         print(f"  ({model.path.copies})")
@@ -292,7 +293,7 @@ def demo(args: argparse.Namespace) -> int:
 
 
 def plugin_env() -> str | None:
-    """The checker mode the plugin's environment asks for; UsageError for a value it does not know."""
+    """The checker mode the plugin's environment asks for; UsageError for an unknown value."""
     from vllm_dsa_dbo.isolation import mode_from_env
 
     try:
