@@ -1,6 +1,9 @@
-"""Extra memory per microbatch: exactly what the formula says, 0 without followers."""
+"""Extra memory per microbatch: exactly what the formula says, 0 without followers; and
+`vllm-dsa-dbo memory`, per architecture and platform, what vLLM's code path allocates."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -88,7 +91,6 @@ def test_bad_num_ubatches_is_refused(fake_gpu):
 
 def memory_report(capsys, config: dict, *args: str) -> dict:
     """`vllm-dsa-dbo memory --json` for `config`, in this process (vLLM already imported)."""
-    import json
     import tempfile
     from pathlib import Path
 
@@ -200,3 +202,12 @@ def test_memory_notes_what_vllm_ignores(capsys):
     assert short["notes"] == [
         "index_topk_pattern covers 4 of 8 layers: the rest run their own indexer"
     ]
+
+
+def test_memory_reports_what_vllms_config_class_refuses(capsys, tmp_path):
+    from vllm_dsa_dbo.cli import main
+
+    (tmp_path / "config.json").write_text(json.dumps({**HYV4_8, "vocab_size": "x"}))
+    assert main(["memory", "--config", str(tmp_path)]) == 2
+    error = capsys.readouterr().err
+    assert "vLLM's HYV4Config refuses it: Validation error for field 'vocab_size'" in error

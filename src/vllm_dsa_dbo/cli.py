@@ -233,7 +233,7 @@ def memory(args: argparse.Namespace) -> int:
           f"index_topk {model.index_topk})")
     print(f"vLLM code path: {model.path.module} ({args.platform})")
     if model.leaders is not None:
-        print(f"leaders ({len(model.leaders)}): {' '.join(map(str, model.leaders))}")
+        print(f"leaders ({len(model.leaders)}): {' '.join(map(str, model.leaders)) or 'none'}")
     print(f"followers ({len(model.followers)}, reusing another layer's top-k): "
           f"{' '.join(map(str, model.followers)) or 'none'}")
     for note in model.notes:

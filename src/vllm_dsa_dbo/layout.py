@@ -256,10 +256,14 @@ def leader_mask(config: Mapping[str, Any]) -> list[bool]:
 
 def _hy_v4_roles(text: dict) -> tuple[list[int], list[int], list[str]]:
     """HYV4MLAAttention's sparse layers and skip_topk, from vLLM's HYV4Config."""
+    from huggingface_hub.errors import StrictDataclassError
     from vllm.models.hy_v4.nvidia.attention import _SPARSE_LAYER_TYPES, compute_skip_topk_layers
     from vllm.transformers_utils.configs.hy_v4 import HYV4Config
 
-    config = HYV4Config.from_dict(text)
+    try:
+        config = HYV4Config.from_dict(text)
+    except (StrictDataclassError, TypeError, ValueError) as e:
+        raise ConfigError(f"vLLM's HYV4Config refuses it: {e}") from None
     skip = compute_skip_topk_layers(config)
     kinds = config.layer_types or []
     sparse = [i for i in range(config.num_hidden_layers) if i < len(kinds)
