@@ -120,10 +120,11 @@ def status(args: argparse.Namespace) -> int:
         patch = module.PATCH
         print(f"  {patch.target}\n    how: {patch.how}\n    remove when: {patch.remove_when}")
 
+    if problems:
+        print("fix NOT active: " + "; ".join(problems))
     if errors:
         raise UsageError("; ".join(errors))
     if problems:
-        print("fix NOT active: " + "; ".join(problems))
         return 1
     print("fix active: vLLM will apply it in every process")
     return 0
