@@ -6,6 +6,10 @@ CUDA kernels and synchronizing calls in one, stock vs fix.
                            # the control perf_freq1_* (no followers)
     python bench/engine_step.py DIR [--json OUT.json]
 
+DeepEP sets: `run_matrix.sh DIR perf_ht_on_stock perf_ht_on_fix perf_ht_on_fix_b
+perf_ht_on_stock_b` (and `perf_llf_*`), on one GPU or two; `perf_ht_off_a` is
+DBO off with the fix, for the DBO speed-up.
+
 The harness (`VLLM_DSA_DBO_HARNESS_MEASURE=1`) times every microbatched
 forward of the generation in each worker between two device syncs, and runs
 its 20th (a decode step) under the torch profiler with
@@ -29,6 +33,10 @@ CONFIGS = (
      ("perf_graph_on_stock_b", "perf_graph_on_fix_b")),
     ("V1 eager, index_topk_freq=1 (control)", ("perf_freq1_on_stock", "perf_freq1_on_fix"),
      ("perf_freq1_on_stock_b", "perf_freq1_on_fix_b")),
+    ("DeepEP HT eager", ("perf_ht_on_stock", "perf_ht_on_fix"),
+     ("perf_ht_on_stock_b", "perf_ht_on_fix_b")),
+    ("DeepEP LL FULL_DECODE_ONLY replay, fp8 KV", ("perf_llf_on_stock", "perf_llf_on_fix"),
+     ("perf_llf_on_stock_b", "perf_llf_on_fix_b")),
 )
 
 
@@ -62,6 +70,11 @@ def summary(run: dict) -> dict:
         "cuda_kernels": [p["cuda_kernels"] for p in profiles],
         "sync_warnings": [p["sync_warnings"] for p in profiles],
         "busiest_host_op": [busiest_host_op(p) for p in profiles],
+        # Older runs did not record the product's own frames.
+        "fix_host_share": [
+            p["fix_frames_self_cpu_us"] / p["profiled_wall_us"] if "profiled_wall_us" in p else None
+            for p in profiles
+        ],
         "kernels_by_name": [p["kernels_by_name"] for p in profiles],
     }
 
@@ -142,6 +155,13 @@ def main(argv: list[str] | None = None) -> int:
             own = " / ".join(f"{op['self_ms']:.1f}" for op in ops)
             listed = " / ".join(f"{op['listed_ops_self_ms']:.1f}" for op in ops)
             print(f"| {mode} | {arm} | {names} | {own} | {listed} |")
+    shares = [(mode, row["fix"]["fix_host_share"]) for mode, row in pairs.items()
+              if None not in row["fix"]["fix_host_share"]]
+    if shares:
+        print("\n| mode | the fix's own host time, share of the profiled forward (per worker) |")
+        print("|---|---|")
+        for mode, share in shares:
+            print(f"| {mode} | {' / '.join(f'{100 * x:.2f} %' for x in share)} |")
     if args.json:
         args.json.write_text(json.dumps({"pairs": pairs, "repeat_agreement": agreement}, indent=1))
     return 0

@@ -1,5 +1,6 @@
-"""The core test (and the HYV4, ROCm DSA and compiled DSA tests for their patches) fails when any part of
-the fix is removed from the source; so does each bad-input test when its check is.
+"""The core test (and the HYV4, ROCm DSA, compiled DSA and sparse MLA backend tests for their
+patches) fails when any part of the fix is removed from the source; so does each bad-input test
+when its check is.
 
 Each mutation edits a copy of the package and runs its test against it
 in a fresh interpreter, as a reviewer would check it by hand.
@@ -25,6 +26,23 @@ HYV4_TEST = "tests/test_hy_v4.py::test_hy_v4_followers_read_their_own_leaders_to
 ROCM_TEST = "tests/test_rocm_dsa.py::test_rocm_dsa_followers_read_their_own_leaders_topk"
 COMPILED_TEST = "tests/test_deepseek_v2.py::test_compiled_dsa_followers_read_their_own_leaders_topk"
 TRACED_TEST = "tests/test_deepseek_v2.py::test_traced_code_reads_microbatch_0s_group_state"
+BACKENDS = "tests/test_sparse_mla_backends.py"
+BACKEND_TEST = f"{BACKENDS}::test_followers_read_their_own_leaders_topk"
+FA3_TEST = f"{BACKEND_TEST}[FLASH_ATTN_MLA_SPARSE-auto-decode-16h]"
+FLASHMLA_FP8_TEST = f"{BACKEND_TEST}[FLASHMLA_SPARSE-fp8_ds_mla-mixed-16h]"
+SM90_TEST = f"{BACKEND_TEST}[FLASHINFER_MLA_SPARSE_SM90-auto-mixed-16h]"
+XPU_TEST = f"{BACKENDS}::test_xpu_followers_share_one_buffer_and_are_refused"
+# Bad input never crashes and never lies.
+DEMO_RAISE_TEST = (
+    "tests/test_isolation.py::test_raise_mode_stops_at_the_first_bad_read_on_stock_vllm"
+)
+REGISTER_ENV_TEST = "tests/test_plugin.py::test_vllm_starts_with_any_env_value[check-bogus]"
+STATUS_ENV_TEST = "tests/test_cli.py::test_status_unknown_env_value_is_an_error[check-bogus]"
+BAD_CONFIG = "tests/test_cli.py::test_memory_bad_config"
+MEMORY_HYV4_TEST = "tests/test_memory.py::test_memory_is_what_hy_v4_allocates"
+MEMORY_V41_TEST = "tests/test_cli.py::test_memory_command_follows_the_architecture[deepseek-v41]"
+AB_QUESTIONS_TEST = "tests/test_ab.py::test_runs_on_other_questions_are_refused"
+AB_TWO_RUNS_TEST = "tests/test_ab.py::test_a_folder_with_two_runs_is_refused"
 
 MUTATIONS = {
     "index group always returns microbatch 0's state": (
@@ -117,25 +135,48 @@ MUTATIONS = {
         "        pass\n",
         COMPILED_TEST,
     ),
-    # Bad input never crashes and never lies (issue 19).
+    "index group always returns microbatch 0's state (FLASH_ATTN_MLA_SPARSE)": (
+        "ubatch_topk.py",
+        "            if ubatch_id and group.ubatch_topk_states:\n",
+        "            if False:\n",
+        FA3_TEST,
+    ),
+    "leader's writers not wired to the impl's buffer (FLASHMLA_SPARSE fp8)": (
+        "patches/deepseek_v32_attention.py",
+        "    target.DeepseekV32Attention.topk_indices_buffer = property(_get, _set)\n",
+        "    pass\n",
+        FLASHMLA_FP8_TEST,
+    ),
+    "impl not wired to the per-microbatch logical buffers (FLASHINFER_MLA_SPARSE_SM90)": (
+        "patches/sparse_mla_attention.py",
+        '    return resolve_logical_topk(getattr(self, "index_group", None), buffer)\n',
+        "    return buffer\n",
+        SM90_TEST,
+    ),
+    "followers without an index group loaded under DBO (XPU_MLA_SPARSE)": (
+        "patches/base_loader.py",
+        "        ungrouped := [m for m in model.modules() if reads_topk_without_index_group(m)]\n",
+        "        ungrouped := []\n",
+        XPU_TEST,
+    ),
     "demo: the checker's raise ends the stock phase with a traceback": (
         "demo.py",
         "        except isolation.MicrobatchIsolationError as e:\n",
         "        except KeyError as e:\n",
-        "tests/test_isolation.py::test_raise_mode_stops_at_the_first_bad_read_on_stock_vllm",
+        DEMO_RAISE_TEST,
     ),
     "register raises on an unknown VLLM_DSA_DBO_CHECK": (
         "__init__.py",
         '        logger.error("vllm-dsa-dbo: %s. The isolation checker stays off.", e)\n'
         "        check = None\n",
         "        raise\n",
-        "tests/test_plugin.py::test_vllm_starts_with_any_env_value[check-bogus]",
+        REGISTER_ENV_TEST,
     ),
     "status passes over an unknown VLLM_DSA_DBO_CHECK": (
         "cli.py",
         '        errors.append(f"{e}; vLLM logs this and runs with the checker off")\n',
         "        pass\n",
-        "tests/test_cli.py::test_status_unknown_env_value_is_an_error[check-bogus]",
+        STATUS_ENV_TEST,
     ),
     "memory imports torch before it reads the config": (
         "cli.py",
@@ -143,43 +184,43 @@ MUTATIONS = {
         "    from vllm_dsa_dbo.ubatch_topk import ubatch_topk_bytes_per_extra_ubatch\n",
         "    from vllm_dsa_dbo.ubatch_topk import ubatch_topk_bytes_per_extra_ubatch\n"
         "    source, model = load_config(args)\n",
-        "tests/test_cli.py::test_memory_bad_config[missing]",
+        f"{BAD_CONFIG}[missing]",
     ),
     "memory leaves a string index_topk_freq to vLLM": (
         "layout.py",
         '        _whole(text, "index_topk_freq", 1, 1)\n',
         "        pass\n",
-        'tests/test_cli.py::test_memory_bad_config["index_topk_freq": "4"]',
+        f'{BAD_CONFIG}["index_topk_freq": "4"]',
     ),
     "memory sizes any architecture with index_topk": (
         "layout.py",
         "    if architecture not in CODE_PATHS:\n",
         "    if False:\n",
-        "tests/test_cli.py::test_memory_bad_config[not-dsa]",
+        f"{BAD_CONFIG}[not-dsa]",
     ),
     "memory counts physical copies HYV4 does not make": (
         "cli.py",
         "        logical_only=model.path.copies == LOGICAL,\n",
         "        logical_only=False,\n",
-        "tests/test_memory.py::test_memory_is_what_hy_v4_allocates",
+        MEMORY_HYV4_TEST,
     ),
     "memory sizes DeepSeek-V4.1, which the loader refuses under DBO": (
         "layout.py",
         '        CodePath("vllm/models/deepseek_v41", "deepseek_v41", REFUSED)\n',
         '        CodePath("vllm/models/deepseek_v41", None, UNSHARED)\n',
-        "tests/test_cli.py::test_memory_command_follows_the_architecture[deepseek-v41]",
+        MEMORY_V41_TEST,
     ),
     "ab compares runs on other questions": (
         "ab.py",
         "        check_same_questions(ref, run)\n",
         "        pass\n",
-        "tests/test_ab.py::test_runs_on_other_questions_are_refused",
+        AB_QUESTIONS_TEST,
     ),
     "ab merges two runs' samples files": (
         "ab.py",
         "    if len(files) > 1:\n",
         "    if False:\n",
-        "tests/test_ab.py::test_a_folder_with_two_runs_is_refused",
+        AB_TWO_RUNS_TEST,
     ),
 }
 
@@ -202,7 +243,13 @@ def copy_package(root: Path) -> Path:
     return copy
 
 
-@pytest.mark.parametrize("test", [CORE_TEST, HYV4_TEST, ROCM_TEST, COMPILED_TEST])
+@pytest.mark.parametrize(
+    "test",
+    [CORE_TEST, HYV4_TEST, ROCM_TEST, COMPILED_TEST, FA3_TEST, XPU_TEST, DEMO_RAISE_TEST,
+     REGISTER_ENV_TEST, STATUS_ENV_TEST, f"{BAD_CONFIG}[not-dsa]", MEMORY_HYV4_TEST,
+     MEMORY_V41_TEST, AB_QUESTIONS_TEST, AB_TWO_RUNS_TEST],
+    ids=str,
+)
 def test_core_test_passes_on_unmutated_copy(test, tmp_path):
     copy_package(tmp_path)
     result = run_test(tmp_path, test)

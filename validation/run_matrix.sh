@@ -1,12 +1,19 @@
 #!/usr/bin/env bash
-# Run named harness configurations on 2 GPUs, LANES (default 2) at a time.
+# Run named harness configurations, LANES at a time (default 2 on two GPUs, 1 on
+# one GPU, where both DP ranks share GPU 0).
 #   validation/run_matrix.sh OUTDIR NAME ... (names from the table below)
-# Each NAME writes OUTDIR/NAME.json and OUTDIR/NAME.log. chk_* runs have the
-# isolation checker on (audit), perf_* runs time microbatched forwards
+# Each NAME writes OUTDIR/NAME.json and OUTDIR/NAME.log. chk_* runs and every
+# DeepEP / backend run (ht*, ll*, be_*) have the isolation checker on (audit);
+# perf_* runs time microbatched forwards
 # (120 tokens each, so 100+ microbatched decode steps per worker). dsv2_* runs
 # are the same model as DeepseekV3ForCausalLM (vLLM's torch.compile'd
 # deepseek_v2 DSA path), compiled without CUDA graphs or with FULL decode
-# graphs; dsv2e_* run it with enforce_eager.
+# graphs; dsv2e_* run it with enforce_eager. DeepEP runs (ht* high-throughput
+# eager, ll* low-latency with FULL decode graphs; f = fp8 KV cache, htf also
+# prefix caching) use the hidden-2048 model and lift no vLLM check; be_<backend>
+# runs force one sparse MLA backend on DeepEP high-throughput (be_auto: vLLM's
+# own choice), be_*f with fp8 KV. nf_* is the naive backend (harness gates)
+# with fp8 KV and prefix caching.
 set -uo pipefail
 . /tmp/gpu/env.sh
 out="$1"; shift
@@ -16,14 +23,47 @@ models="${MODELS:-/tmp/dsa-dbo-models}"
 python - "$models" <<'PY'
 import sys
 from pathlib import Path
-from dsa_dbo_harness.model import DSV2_CONFIG, write_hy_v4_model, write_model
+from dsa_dbo_harness.model import DEEPEP_CONFIG, DSV2_CONFIG, write_hy_v4_model, write_model
 for freq in (1, 4):
     write_model(Path(sys.argv[1]) / f"freq{freq}", freq)
 write_hy_v4_model(Path(sys.argv[1]) / "hy_v4", 4)
 write_model(Path(sys.argv[1]) / "dsv2", 4, DSV2_CONFIG)
+for freq in (1, 4):
+    write_model(Path(sys.argv[1]) / f"deepep{freq}", freq, DEEPEP_CONFIG)
 PY
 
+HT="--all2all deepep_ht" LL="--all2all deepep_ll" F8="--kv-cache-dtype fp8"
+family() {  # FAMILY -> "model mode args" of a run set FAMILY_{off_a,off_b,on_stock,on_fix}
+  case "$1" in
+    nf)       echo "4 eager $F8 --prefix-caching" ;;
+    ht)       echo "deepep4 eager $HT" ;;
+    htf)      echo "deepep4 eager $HT $F8 --prefix-caching" ;;
+    llf)      echo "deepep4 graph $LL $F8" ;;
+    htv2)     echo "deepep4 v2 $HT" ;;
+    htp)      echo "deepep4 eager $HT --dbo-decode-token-threshold 100000" ;;
+    ht1)      echo "deepep1 eager $HT" ;;
+    be_auto)  echo "deepep4 eager $HT --attention-backend auto" ;;
+    be_autof) echo "deepep4 eager $HT $F8 --attention-backend auto" ;;
+    be_fa)    echo "deepep4 eager $HT --attention-backend FLASH_ATTN_MLA_SPARSE" ;;
+    be_fi)    echo "deepep4 eager $HT --attention-backend FLASHINFER_MLA_SPARSE_SM90" ;;
+    be_fif)   echo "deepep4 eager $HT $F8 --attention-backend FLASHINFER_MLA_SPARSE_SM90" ;;
+    perf_ht)  echo "deepep4 eager $HT --max-tokens 120" ;;
+    perf_llf) echo "deepep4 graph $LL $F8 --max-tokens 120" ;;
+    *) return 1 ;;
+  esac
+}
 spec() {  # NAME -> "model fix mode dbo-args"; a number N as model means freqN
+  local fam="${1%_off*}" run found model mode args
+  [ "$fam" = "$1" ] && fam="${1%_on_*}"
+  run="${1#"$fam"_}"
+  if found="$(family "$fam")"; then
+    read -r model mode args <<< "$found"
+    case "$run" in
+      off|off_a|off_b) echo "$model on $mode $args"; return ;;
+      on_stock)        echo "$model off $mode --dbo $args"; return ;;
+      on_fix)          echo "$model on $mode --dbo $args"; return ;;
+    esac
+  fi
   case "$1" in
     off_a|off_b)        echo "4 on eager" ;;
     off_stock)          echo "4 off eager" ;;
@@ -73,17 +113,26 @@ one() {
   case "$model" in [0-9]*) model="freq$model" ;; esac
   local disable=""; [ "$fix" = off ] && disable=1
   local check="" measure=""
+  local deep_gemm=""
   case "$name" in chk_*) check=audit ;; perf_*) measure=1 ;; esac
+  # The upstream PR's DeepEP configuration: no DeepGEMM for GEMMs and MoE.
+  case "$name" in ht*|ll*|be_*) check=audit deep_gemm=0 ;; nf_*) check=audit ;; esac
+  case "$name" in perf_ht*|perf_ll*) deep_gemm=0 ;; esac
+  # DeepEP low-latency asserts NVSHMEM_QP_DEPTH (default 1024) >= 2 * (dispatch cap + 1),
+  # and vLLM's cap is max_num_batched_tokens (4096 here).
+  local qp_depth=""; case "$name" in ll*|perf_ll*) qp_depth=8200 ;; esac
   local t0=$SECONDS
   VLLM_DSA_DBO_DISABLE="$disable" VLLM_DSA_DBO_CHECK="$check" VLLM_DSA_DBO_HARNESS_MEASURE="$measure" \
-    timeout "${RUN_TIMEOUT:-420}" python -m dsa_dbo_harness.run \
+    env ${deep_gemm:+VLLM_USE_DEEP_GEMM=0 VLLM_MOE_USE_DEEP_GEMM=0} ${qp_depth:+NVSHMEM_QP_DEPTH=$qp_depth} timeout "${RUN_TIMEOUT:-420}" python -m dsa_dbo_harness.run \
     --model "$models/$model" --mode "$mode" $rest \
-    --gpu-memory-utilization "${GPU_UTIL:-0.35}" --out "$out/$name.json" > "$out/$name.log" 2>&1
+    --gpu-memory-utilization "${GPU_UTIL:-$util}" --out "$out/$name.json" > "$out/$name.log" 2>&1
   echo "$name rc=$? $((SECONDS - t0))s $(grep -h '^WROTE' "$out/$name.log" | cut -c1-300)"
-  grep -hE "Error|error:|Traceback" "$out/$name.log" | grep -v "^W1130" | tail -3
+  grep -hE "Error|error:|Traceback|assert" "$out/$name.log" | grep -v "^W1" | tail -4
 }
 
-lanes="${LANES:-2}"
+gpus=$(nvidia-smi -L | wc -l)
+util=$([ "$gpus" -ge 2 ] && echo 0.35 || echo 0.3)
+lanes="${LANES:-$([ "$gpus" -ge 2 ] && echo 2 || echo 1)}"
 while [ $# -gt 0 ]; do
   for _ in $(seq "$lanes"); do
     [ $# -gt 0 ] || break

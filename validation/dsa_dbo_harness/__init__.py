@@ -1,15 +1,18 @@
-"""Harness-only vLLM plugin: real DBO on 2 CUDA GPUs without DeepEP.
+"""Harness-only vLLM plugin: real DBO on CUDA GPUs, with DeepEP or without.
 
 vLLM 0.33.0 microbatches only with data parallelism and an all2all backend
-that yields. DeepEP and NIXL are not installable here; the naive
-all-gather/reduce-scatter prepare/finalize yields to the peer microbatch
-around its collectives, and vLLM already runs it under DBO on ROCm. Two CUDA
-gates keep it off; with `VLLM_DSA_DBO_HARNESS=1` this plugin lifts them in
-every vLLM process, re-initialises `--load-format dummy` weights so outputs
-depend on attention, and counts microbatched steps in each worker (logged, for
-`vllm serve`, and read back through `collective_rpc`). With
-`VLLM_DSA_DBO_HARNESS_MEASURE=1` it also times microbatched forwards and
-profiles one. It is never installed with the product.
+that yields. With DeepEP (`deepep_high_throughput`, `deepep_low_latency`, on
+vLLM's own DBO allow-list) nothing needs lifting: run with
+`VLLM_DSA_DBO_HARNESS_GATES=0` and vLLM runs unmodified. Without DeepEP the
+naive all-gather/reduce-scatter prepare/finalize yields to the peer microbatch
+around its collectives, and vLLM already runs it under DBO on ROCm; two CUDA
+gates keep it off, and by default this plugin lifts them in every vLLM process
+(recorded in `GATES`). In every case, with `VLLM_DSA_DBO_HARNESS=1`, it
+re-initialises `--load-format dummy` weights so outputs depend on attention,
+and counts microbatched steps in each worker (logged, for `vllm serve`, and
+read back through `collective_rpc`). With `VLLM_DSA_DBO_HARNESS_MEASURE=1` it
+also times microbatched forwards and profiles one. It is never installed with
+the product.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from collections import Counter
 from contextlib import contextmanager
 
 ENABLE_ENV = "VLLM_DSA_DBO_HARNESS"
+# "0": lift no vLLM check and inject no yield (DeepEP runs).
+GATES_ENV = "VLLM_DSA_DBO_HARNESS_GATES"
 MEASURE_ENV = "VLLM_DSA_DBO_HARNESS_MEASURE"
 # Python's thread switch interval (seconds) in every vLLM process, if set.
 SWITCH_INTERVAL_ENV = "VLLM_DSA_DBO_HARNESS_SWITCH_INTERVAL"
@@ -37,6 +42,8 @@ LOG_EVERY = 50
 # and with MEASURE_ENV the measurements below.
 COUNTS: Counter[str] = Counter()
 MEASURED: dict = {"from_call": None, "seconds": [], "profile": None}
+# What this process changed in vLLM's own checks and yields.
+GATES: list[str] = []
 
 
 def register() -> None:
@@ -46,8 +53,11 @@ def register() -> None:
 
     if getattr(config_module, "_dsa_dbo_harness", False):
         return
-    _allow_naive_all2all_under_dbo(config_module)
-    _naive_prepare_finalize_yields()
+    if os.environ.get(GATES_ENV, "1") != "0":
+        _allow_naive_all2all_under_dbo(config_module)
+        _naive_prepare_finalize_yields()
+        GATES.extend(["dbo_all2all_allow_list+allgather_reducescatter",
+                      "naive_dp_ep.supports_dbo=True", "naive_dp_ep.yield_at_graph_capture"])
     _reinit_dummy_weights()
     _count_microbatched_steps()
     if os.environ.get(SWITCH_INTERVAL_ENV):
@@ -127,8 +137,9 @@ def start_measuring(worker) -> None:
 def _measured(call):
     """Wall time of one microbatched forward between two device syncs (the
     syncs are outside it, the same for every run); the PROFILED_FORWARD-th is
-    profiled instead: CUDA kernels launched, synchronizing calls made, and the
-    host operators taking the most time of their own (all threads)."""
+    profiled instead: CUDA kernels launched, synchronizing calls made, the
+    host operators taking the most time of their own (all threads) and the
+    time spent in the product's own Python frames."""
     import torch
 
     index = COUNTS["ubatched_calls"] - MEASURED["from_call"]
@@ -148,10 +159,13 @@ def _measured(call):
         with warnings.catch_warnings(record=True) as caught, profile(
             activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
             experimental_config=all_threads,
+            with_stack=True,
         ) as prof:
             warnings.simplefilter("always")
+            start = time.perf_counter()
             out = call()
             torch.cuda.synchronize()
+            wall_us = (time.perf_counter() - start) * 1e6
     finally:
         torch.cuda.set_sync_debug_mode("default")
     kernels = Counter(e.name for e in prof.events() if e.device_type == DeviceType.CUDA)
@@ -161,6 +175,12 @@ def _measured(call):
         "kernels_by_name": dict(kernels),
         "sync_warnings": sum("synchroniz" in str(w.message) for w in caught),
         "host_ops_all_threads": all_threads is not None,
+        # Python frames of the product (with_stack's function events, which
+        # key_averages leaves out): the fix's own host time, profiler overhead included.
+        "fix_frames_self_cpu_us": sum(
+            e.self_cpu_time_total for e in prof.events() if _is_fix_frame(e.name)
+        ),
+        "profiled_wall_us": wall_us,
         "host_ops_by_self_time": [
             {"name": e.key, "calls": e.count, "self_cpu_us": e.self_cpu_time_total,
              "cpu_us": e.cpu_time_total}
@@ -168,6 +188,10 @@ def _measured(call):
         ],
     }
     return out
+
+
+def _is_fix_frame(name: str) -> bool:
+    return "vllm_dsa_dbo" in name and "dsa_dbo_harness" not in name
 
 
 def _all_threads_config():

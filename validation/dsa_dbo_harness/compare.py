@@ -1,6 +1,7 @@
 """Compare greedy runs prompt by prompt (the upstream long-prompt columns).
 
     python -m dsa_dbo_harness.compare REF.json RUN.json [RUN.json ...]
+    python -m dsa_dbo_harness.compare --families DIR   # every PREFIX_off_a/_off_b/_on_stock/_on_fix set
 
 Token-0 logprobs move in steps of one bf16 logit rounding (about 0.0078 or
 0.0156 here), so beside the upstream median this also counts prompts whose
@@ -54,11 +55,46 @@ def microbatched(run: dict) -> list[int]:
     return [c.get("ubatched_calls", c.get("ubatch0_forwards", 0)) for c in counts]
 
 
+def violations(run: dict) -> int | None:
+    checks = [w["isolation_check"] for rank in run["ranks"] for w in rank["workers"]]
+    return None if None in checks else sum(c["violations"] for c in checks)
+
+
+def family(runs: Path, prefix: str) -> dict:
+    """A run set against its first DBO-off run: the floor, stock and the fix."""
+    loaded = {p.stem[len(prefix) + 1 :]: json.loads(p.read_text()) for p in runs.glob(f"{prefix}_*.json")}
+    reference = loaded.get("off_a", loaded.get("off"))
+    rows = {}
+    for name in ("off_b", "on_stock", "on_fix"):
+        if name in loaded and reference is not None:
+            run = loaded[name]
+            rows[name] = {
+                **compare(reference, run),
+                "violations": violations(run),
+                "microbatched": microbatched(run),
+                "plugin_patched": sorted({w["plugin_patched"] for r in run["ranks"] for w in r["workers"]}),
+            }
+    any_run = next(iter(loaded.values()))
+    return {
+        "family": prefix,
+        "gpu_count": any_run.get("gpu_count"),
+        "harness_gates": any_run.get("harness_gates"),
+        "attention_backends": any_run.get("attention_backends"),
+        "rows": rows,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("reference", type=Path)
-    parser.add_argument("runs", type=Path, nargs="+")
+    parser.add_argument("runs", type=Path, nargs="*")
+    parser.add_argument("--families", action="store_true", help="REFERENCE is a folder of runs")
     args = parser.parse_args(argv)
+    if args.families:
+        stems = sorted(p.stem for p in args.reference.glob("*_off*.json"))
+        for prefix in dict.fromkeys(s.rsplit("_off", 1)[0] for s in stems):
+            print(json.dumps(family(args.reference, prefix)))
+        return 0
     reference = json.loads(args.reference.read_text())
     for path in args.runs:
         row = compare(reference, json.loads(path.read_text()))

@@ -4,6 +4,7 @@ With `index_topk_freq=4, index_skip_topk_offset=3` layers 0, 1, 2 and 6 lead
 and 3, 4, 5 and 7 follow; layers 1-7 are MoE, so DBO yields between every
 leader and its followers.
 
+`DEEPEP_CONFIG` is the same model at hidden size 2048, for DeepEP.
 `DSV2_CONFIG` is the same model as `DeepseekV3ForCausalLM`, which vLLM
 builds with its torch.compile'd deepseek_v2 DSA path (same layers, same
 leaders). `HYV4_CONFIG` / `write_hy_v4_model` is the same size for `HYV4ForCausalLM`
@@ -99,6 +100,12 @@ DSV2_CONFIG = {
     "architectures": ["DeepseekV3ForCausalLM"],
     "model_type": "deepseek_v3",
 }
+
+
+# DeepEP's low-latency kernels are instantiated for hidden sizes 2048, 2560,
+# 3072, 4096, 5120, 6144, 7168 and 8192 only (its SWITCH_HIDDEN), so the DeepEP
+# runs use the same model at hidden size 2048.
+DEEPEP_CONFIG = {**CONFIG, "hidden_size": 2048}
 
 
 def hy_v4_indexer_types(num_layers: int, freq: int, offset: int) -> list[str]:

@@ -1,9 +1,13 @@
-"""One engine configuration on 2 GPUs (DP=2, expert parallel), greedy outputs to JSON.
+"""One engine configuration (DP=2, expert parallel), greedy outputs to JSON.
 
     python -m dsa_dbo_harness.run --model DIR --mode eager --dbo --out run.json
 
-The fix is on when vllm-dsa-dbo is installed, off with VLLM_DSA_DBO_DISABLE=1
-(recorded in the JSON either way, from inside the workers).
+Two GPUs: one DP rank per GPU. One GPU: both ranks on GPU 0
+(`NCCL_MULTI_RANK_GPU_ENABLE=1`); chosen from the visible GPUs, recorded as
+`gpu_count`. With a DeepEP all2all backend the harness lifts no vLLM check
+(`harness_gates` empty in every worker). The fix is on when vllm-dsa-dbo is
+installed, off with VLLM_DSA_DBO_DISABLE=1 (recorded in the JSON either way,
+from inside the workers).
 """
 
 from __future__ import annotations
@@ -36,6 +40,18 @@ MODES = {
     ),
 }
 MAX_NUM_SEQS = 64  # max_decode_rows = 64: every prompt prefills past it
+ALL2ALL = {
+    # --all2all: (vLLM backend, harness gates lifted)
+    "naive": ("allgather_reducescatter", True),
+    "deepep_ht": ("deepep_high_throughput", False),
+    "deepep_ll": ("deepep_low_latency", False),
+}
+# Environment recorded with each run (what changes kernels or placement).
+RECORDED_ENV = (
+    "VLLM_DBO_COMM_SMS", "VLLM_USE_DEEP_GEMM", "VLLM_MOE_USE_DEEP_GEMM",
+    "VLLM_DSA_DBO_CHECK", "VLLM_DSA_DBO_HARNESS_GATES", "NCCL_MULTI_RANK_GPU_ENABLE",
+    "VLLM_USE_V2_MODEL_RUNNER", "NVSHMEM_QP_DEPTH",
+)
 
 
 def engine_kwargs(args) -> dict:
@@ -45,16 +61,18 @@ def engine_kwargs(args) -> dict:
         skip_tokenizer_init=True,
         block_size=64,
         max_model_len=4096,
-        attention_backend="FLASHMLA_SPARSE",
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_seqs=MAX_NUM_SEQS,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=False,
+        kv_cache_dtype=args.kv_cache_dtype,
+        enable_prefix_caching=args.prefix_caching,
         enable_expert_parallel=True,
-        all2all_backend="allgather_reducescatter",
+        all2all_backend=ALL2ALL[args.all2all][0],
         seed=0,
         **MODES[args.mode][0],
     )
+    if args.attention_backend != "auto":
+        kwargs["attention_backend"] = args.attention_backend
     if args.dbo:
         kwargs.update(
             enable_dbo=True,
@@ -70,16 +88,25 @@ def prompts_for_rank(rank: int, count: int) -> list[list[int]]:
     return [[rnd.randrange(2, 2000) for _ in range(600 + 53 * i)] for i in range(count)]
 
 
-def rank_main(rank: int, args, port: int, results: mp.Queue) -> None:
-    os.environ.update(
+def rank_env(rank: int, args, port: int) -> dict[str, str]:
+    """A DP rank's environment; on one GPU both ranks share GPU 0."""
+    env = dict(
         VLLM_DP_RANK=str(rank),
-        VLLM_DP_RANK_LOCAL=str(rank),
+        VLLM_DP_RANK_LOCAL=str(rank if args.gpu_count > 1 else 0),
         VLLM_DP_SIZE="2",
         VLLM_DP_MASTER_IP="127.0.0.1",
         VLLM_DP_MASTER_PORT=str(port),
         VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        VLLM_DSA_DBO_HARNESS_GATES="1" if ALL2ALL[args.all2all][1] else "0",
         **MODES[args.mode][1],
     )
+    if args.gpu_count == 1:
+        env.update(CUDA_VISIBLE_DEVICES="0", NCCL_MULTI_RANK_GPU_ENABLE="1")
+    return env
+
+
+def rank_main(rank: int, args, port: int, results: mp.Queue) -> None:
+    os.environ.update(rank_env(rank, args, port))
     from vllm import LLM, SamplingParams
 
     from dsa_dbo_harness import start_measuring
@@ -135,9 +162,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=16, help="per DP rank")
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    parser.add_argument("--all2all", choices=sorted(ALL2ALL), default="naive")
+    parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--prefix-caching", action="store_true")
+    parser.add_argument(
+        "--attention-backend", default="FLASHMLA_SPARSE", help="'auto': vLLM picks"
+    )
+    parser.add_argument(
+        "--gpu-count", type=int, choices=(1, 2), default=None,
+        help="GPUs the two ranks use (default: 2 if two are visible, else 1)",
+    )
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.35)
     parser.add_argument("--timeout", type=float, default=400)
     args = parser.parse_args(argv)
+    import torch
+
+    if args.gpu_count is None:
+        args.gpu_count = min(torch.cuda.device_count(), 2)
+    if args.gpu_count < 1:
+        parser.error("no CUDA GPU visible")
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -159,14 +202,19 @@ def main(argv: list[str] | None = None) -> int:
     if len(got) < 2:
         print(f"FAILED: {len(got)} of 2 ranks returned", file=sys.stderr)
         return 1
-    import torch
     import vllm
 
+    workers = [w for g in got for w in g["workers"]]
     record = {
         "argv": sys.argv,
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "engine_kwargs": {k: v for k, v in engine_kwargs(args).items() if k != "model"},
         "mode_env": MODES[args.mode][1],
+        "gpu_count": args.gpu_count,
+        "harness_gates": sorted({gate for w in workers for gate in w["harness_gates"]}),
+        "attention_backends": sorted({b for w in workers for b in w["attention_backends"]}),
+        "env": {k: os.environ[k] for k in RECORDED_ENV if k in os.environ},
+        "rank0_env": rank_env(0, args, port),
         "fix_disabled_env": os.environ.get("VLLM_DSA_DBO_DISABLE", ""),
         "vllm": vllm.__version__,
         "torch": torch.__version__,

@@ -12,12 +12,17 @@ def snapshot(worker) -> dict:
     from vllm_dsa_dbo import isolation
     from vllm_dsa_dbo.ubatch_topk import followed_groups, index_groups, ubatch_topk_bytes
 
-    groups = index_groups(worker.model_runner.model)
+    model = worker.model_runner.model
+    groups = index_groups(model)
     # With the fix disabled the groups are vLLM's own, without microbatch state.
     patched = getattr(index_group, "_vllm_dsa_dbo_patched", False)
     checker = isolation.CHECKER
     return {
         "plugin_patched": patched,
+        "harness_gates": list(dsa_dbo_harness.GATES),
+        "attention_backends": sparse_mla_backends(model),
+        "kv_cache_dtype": worker.cache_config.cache_dtype,
+        "prefix_caching": worker.cache_config.enable_prefix_caching,
         "counts": dict(dsa_dbo_harness.COUNTS),
         "measured": dsa_dbo_harness.MEASURED,
         "switch_interval_s": sys.getswitchinterval(),
@@ -33,3 +38,15 @@ def snapshot(worker) -> dict:
         "model_memory_bytes": worker.model_runner.model_memory_usage,
         "num_gpu_blocks": worker.cache_config.num_gpu_blocks,
     }
+
+
+def sparse_mla_backends(model) -> dict[str, int]:
+    """Layers per (attention backend, impl class) among the sparse MLA layers."""
+    found: dict[str, int] = {}
+    for module in model.modules():
+        backend = getattr(module, "attn_backend", None)
+        if backend is None or "SPARSE" not in backend.get_name() or not hasattr(module, "impl"):
+            continue
+        key = f"{backend.get_name()}/{type(module.impl).__name__}"
+        found[key] = found.get(key, 0) + 1
+    return found
