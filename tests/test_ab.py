@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
 import socket
+import socketserver
 import threading
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -16,17 +18,24 @@ from test_cli import cli
 from vllm_dsa_dbo.ab import prompts, score
 
 
-def write_run(folder, answers: dict[str, list[int]], texts: list[str] | None = None) -> None:
+SAMPLES = "samples_gsm8k_2026-11-30T00-00-00.123456.jsonl"
+
+
+def write_run(folder, answers: dict[str, list[int]], texts: list[str] | None = None,
+              questions: list[str] | None = None, name: str = SAMPLES) -> None:
     """lm_eval 0.4.13 --log_samples layout: one line per question and filter."""
-    folder.mkdir(parents=True)
-    lines = [
-        json.dumps({"doc_id": doc_id, "filter": name, "exact_match": float(right),
-                    "target": "4", "resps": [[texts[doc_id] if texts else "x"]],
-                    "filtered_resps": ["[invalid]"]})
-        for name, rights in answers.items()
-        for doc_id, right in enumerate(rights)
-    ]
-    (folder / "samples_gsm8k_2026-11-30T00-00-00.jsonl").write_text("\n".join(lines) + "\n")
+    folder.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for filter_name, rights in answers.items():
+        for doc_id, right in enumerate(rights):
+            doc = {"question": questions[doc_id] if questions else f"q{doc_id}", "answer": "#### 4"}
+            lines.append(json.dumps({
+                "doc_id": doc_id, "doc": doc, "filter": filter_name, "exact_match": float(right),
+                "target": "4", "resps": [[texts[doc_id] if texts else "x"]],
+                "filtered_resps": ["[invalid]"],
+                "doc_hash": hashlib.sha256(json.dumps(doc).encode()).hexdigest(),
+            }))
+    (folder / name).write_text("\n".join(lines) + "\n")
 
 
 def test_lost_gained_and_mcnemar(tmp_path):
@@ -51,18 +60,72 @@ def test_bad_folders(tmp_path):
     write_run(tmp_path / "off", {"strict-match": [1, 0, 1]})
     write_run(tmp_path / "short", {"strict-match": [1, 0]})
     (tmp_path / "empty").mkdir()
-    (tmp_path / "broken").mkdir()
-    (tmp_path / "broken" / "samples_gsm8k_x.jsonl").write_text('{"doc_id": 0}\n')
+    bad_lines = {
+        "broken": '{"doc_id": 0}',
+        "float_id": '{"doc_id": 1.5, "exact_match": 1, "resps": []}',
+        "list_line": "[1, 2]",
+        "bad_metric": '{"doc_id": 0, "exact_match": "yes", "resps": []}',
+        "twice": '{"doc_id": 0, "exact_match": 1, "resps": []}\n'
+                 '{"doc_id": 0, "exact_match": 0, "resps": []}',
+        "blank": "\n\n",
+    }
+    for folder, text in bad_lines.items():
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / SAMPLES).write_text(text + "\n")
+    (tmp_path / "latin1").mkdir()
+    (tmp_path / "latin1" / SAMPLES).write_bytes('{"doc_id": 0, "q": "é"}\n'.encode("latin-1"))
+    (tmp_path / "unreadable" / SAMPLES).mkdir(parents=True)  # a folder named like the file
+    write_run(tmp_path / "strict_only", {"strict-match": [1, 0, 1]})
+    write_run(tmp_path / "two_filters", {"strict-match": [1, 0, 1], "flexible-extract": [1, 0, 1]})
     cases = {
         "missing": "is not a folder",
-        "empty": "no samples_gsm8k_*.jsonl",
+        "empty": "no samples_gsm8k_<date>.jsonl",
         "broken": "not an lm_eval sample with 'exact_match'",
+        "float_id": "doc_id 1.5 is not a whole number",
+        "list_line": "not an lm_eval sample with 'exact_match'",
+        "bad_metric": "not an lm_eval sample with 'exact_match'",
+        "twice": "doc_id 0 appears twice",
+        "blank": "no samples",
+        "latin1": "is not UTF-8 text",
+        "unreadable": "cannot read",
         "short": "does not cover the same questions",
+        "two_filters": "filters ['flexible-extract', 'strict-match'] are not",
     }
     for folder, message in cases.items():
         result = cli("ab", str(tmp_path / "off"), str(tmp_path / folder))
         assert result.returncode == 2, folder
         assert message in result.stderr, (folder, result.stderr)
+
+
+def test_runs_on_other_questions_are_refused(tmp_path):
+    """Same doc ids, other questions (another task version or order): not comparable."""
+    write_run(tmp_path / "off", {"strict-match": [1, 0, 1]})
+    write_run(tmp_path / "on", {"strict-match": [1, 0, 1]}, questions=["q0", "q2", "q1"])
+    result = cli("ab", str(tmp_path / "off"), str(tmp_path / "on"))
+    assert result.returncode == 2 and result.stdout == ""
+    assert "2 doc ids (first 1) hold other questions than in" in result.stderr
+    assert "(their doc / doc_hash differ)" in result.stderr
+
+
+def test_a_folder_with_two_runs_is_refused(tmp_path):
+    """A re-run into the same --output_path leaves two samples files: never merged."""
+    write_run(tmp_path / "off", {"strict-match": [1, 0, 1]})
+    write_run(tmp_path / "on" / "model", {"strict-match": [1, 1, 1]})
+    write_run(tmp_path / "on" / "model", {"strict-match": [0, 0, 0]},
+              name="samples_gsm8k_2026-12-01T09-30-00.000001.jsonl")
+    result = cli("ab", str(tmp_path / "off"), str(tmp_path / "on"))
+    assert result.returncode == 2 and result.stdout == ""
+    assert "holds 2 samples_gsm8k_*.jsonl files (model/samples_gsm8k_2026-11-30" in result.stderr
+
+
+def test_another_tasks_samples_are_not_read(tmp_path):
+    """gsm8k_cot's samples_gsm8k_cot_<date>.jsonl is not gsm8k's."""
+    write_run(tmp_path / "off", {"strict-match": [1, 0, 1]})
+    write_run(tmp_path / "on", {"strict-match": [1, 0, 1]})
+    write_run(tmp_path / "on", {"strict-match": [0, 0]},
+              name="samples_gsm8k_cot_2026-11-30T00-00-00.123456.jsonl")
+    rows = json.loads(cli("ab", str(tmp_path / "off"), str(tmp_path / "on"), "--json").stdout)
+    assert [(r["questions"], r["lost"]) for r in rows] == [(3, None), (3, 0)]
 
 
 def test_identical_responses_column(tmp_path):
@@ -187,8 +250,85 @@ def test_endpoint_errors(tmp_path):
             ("--endpoints", up, up, *questions, "--fewshot", str(tmp_path / "test.jsonl"),
              "--num-fewshot", "3"): "3 few-shot examples asked for, 2 given",
             (str(tmp_path), "--endpoints", up, up, *questions): "not both",
+            (str(tmp_path), str(tmp_path), *questions): "--questions apply only with --endpoints",
+            ("--endpoints", up, up, *questions, "--fewshot", str(tmp_path / "test.jsonl")):
+                "--fewshot needs --num-fewshot N",
         }
         for args, message in cases.items():
             result = cli("ab", *args)
             assert result.returncode == 2, args
             assert message in result.stderr, (args, result.stderr)
+
+
+@contextmanager
+def raw_server(reply: bytes):
+    """A TCP server on localhost that answers every connection with `reply`, HTTP or not."""
+
+    class Handler(socketserver.StreamRequestHandler):
+        def handle(self):
+            self.rfile.readline()
+            self.wfile.write(reply)
+
+    server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def http_reply(body: bytes, status: str = "200 OK") -> bytes:
+    return (f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: "
+            f"{len(body)}\r\nConnection: close\r\n\r\n").encode() + body
+
+
+def test_bad_questions_urls_and_server_replies(tmp_path):
+    """Every malformed question file, URL and reply is one `error:` line, exit 2."""
+    write_questions(tmp_path / "test.jsonl", 2)
+    files = {
+        "latin1.jsonl": '{"question": "é", "answer": "#### 1"}\n'.encode("latin-1"),
+        "no_final.jsonl": b'{"question": "Why?", "answer": "because"}\n',
+        "numbers.jsonl": b'{"question": 7, "answer": "#### 7"}\n',
+        "empty.jsonl": b"\n",
+    }
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    questions = ["--questions", str(tmp_path / "test.jsonl")]
+    no_text = http_reply(b'{"choices": [{"text": null}], "data": [{"id": "tiny-glm5"}]}')
+    with fake_openai(lambda prompt: "#### 0") as (up, _), \
+            raw_server(b"garbage\r\n\r\n") as not_http, \
+            raw_server(http_reply(b"<html>busy</html>")) as html, \
+            raw_server(no_text) as null_text, \
+            raw_server(http_reply(b'{"data": []}')) as no_models, \
+            raw_server(http_reply(b'{"data": [{"id": "other"}]}')) as other_model, \
+            raw_server(http_reply(b"overloaded", "503 Service Unavailable")) as busy:
+        cases = {
+            ("--questions", str(tmp_path / "latin1.jsonl")): "is not UTF-8 text",
+            ("--questions", str(tmp_path / "no_final.jsonl")): "has no '#### <number>' final",
+            ("--questions", str(tmp_path / "numbers.jsonl")): "question and answer must be strings",
+            ("--questions", str(tmp_path / "empty.jsonl")): "no questions",
+            ("--questions", str(tmp_path)): "cannot read",
+        }
+        for args, message in list(cases.items()):
+            cases[("--endpoints", up, up, *args)] = cases.pop(args)
+        for urls, message in {
+            (up, "localhost:8000/v1"): "localhost:8000/v1 is not an http(s) URL",
+            (up, "ftp://127.0.0.1/v1"): "is not an http(s) URL",
+            (up, "http://127.0.0.1:port/v1"): "is not an http(s) URL",
+            (up, "http://[::1/v1"): "is not an http(s) URL",
+            (up, not_http): "/v1/models: not an HTTP answer: BadStatusLine",
+            (up, html): "the answer is not JSON: b'<html>busy</html>'",
+            (null_text, up): "/completions: not a completions answer",
+            (up, no_models): "/models: no model listed; give --model",
+            (up, other_model): "the endpoints serve different models (tiny-glm5, other)",
+            (up, busy): "HTTP 503: overloaded",
+        }.items():
+            cases[("--endpoints", *urls, *questions)] = message
+        cases[("--endpoints", up, up, "--questions", str(tmp_path / "test.jsonl"),
+               "--model", "m", "--num-fewshot", "-1")] = "--num-fewshot: must be at least 0"
+        for args, message in cases.items():
+            result = cli("ab", *args)
+            assert result.returncode == 2, (args, result.stdout, result.stderr)
+            assert message in result.stderr, (args, result.stderr)
+            assert "Traceback" not in result.stderr

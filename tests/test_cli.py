@@ -27,6 +27,21 @@ def cli(*args: str, **env: str) -> subprocess.CompletedProcess:
     )
 
 
+GLM = '"architectures": ["GlmMoeDsaForCausalLM"]'
+GLM_SIZE = '"num_hidden_layers": 78, "index_topk": 2048'
+
+
+def cli_without_torch(*args: str, **env: str) -> subprocess.CompletedProcess:
+    """`vllm-dsa-dbo ARGS`, then whether it imported torch (its last stdout line)."""
+    code = (
+        "import sys\nfrom vllm_dsa_dbo.cli import main\ntry:\n    rc = main(sys.argv[1:])\n"
+        "finally:\n    print('torch imported:', 'torch' in sys.modules)\nsys.exit(rc)\n"
+    )
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
+    return subprocess.run([sys.executable, "-c", code, *args], env={**environ, **env},
+                          capture_output=True, text=True, timeout=600)
+
+
 def test_help_everywhere():
     for args in ([], ["status"], ["memory"], ["demo"]):
         result = cli(*args, "--help")
@@ -49,6 +64,66 @@ def test_status_inactive(env, reason):
     result = cli("status", **env)
     assert result.returncode == 1
     assert "fix NOT active" in result.stdout and reason in result.stdout
+
+
+OFF_SPELLINGS = ("", "0", "off", "OFF", "false", "no", "none", " 0 ")
+
+
+@pytest.mark.parametrize("value", OFF_SPELLINGS)
+def test_off_spellings_mean_off(monkeypatch, value):
+    from vllm_dsa_dbo import disabled_by_env
+    from vllm_dsa_dbo.isolation import mode_from_env
+
+    monkeypatch.setenv("VLLM_DSA_DBO_CHECK", value)
+    monkeypatch.setenv("VLLM_DSA_DBO_DISABLE", value)
+    assert mode_from_env() is None and disabled_by_env() is False
+
+
+@pytest.mark.parametrize(
+    "name, value, expected",
+    [("VLLM_DSA_DBO_CHECK", v, v.strip().lower()) for v in ("raise", "audit", " Audit ", "RAISE")]
+    + [("VLLM_DSA_DBO_DISABLE", v, True) for v in ("1", "true", "yes", "on", "TRUE")]
+    + [(name, v, None) for name in ("VLLM_DSA_DBO_CHECK", "VLLM_DSA_DBO_DISABLE")
+       for v in ("bogus", "2", "enable", "raise,audit")]
+    + [("VLLM_DSA_DBO_CHECK", v, None) for v in ("1", "on", "yes")],  # which mode?
+)
+def test_env_values(monkeypatch, name, value, expected):
+    """Known values parse; anything else is an EnvValueError naming the value (None here)."""
+    from vllm_dsa_dbo import EnvValueError, disabled_by_env
+    from vllm_dsa_dbo.isolation import mode_from_env
+
+    monkeypatch.setenv(name, value)
+    parse = mode_from_env if name == "VLLM_DSA_DBO_CHECK" else disabled_by_env
+    if expected is None:
+        with pytest.raises(EnvValueError, match=f"^{name}={value!r} is not understood: set "):
+            parse()
+    else:
+        assert parse() == expected
+
+
+def test_status_shows_the_env_switches_spelled_off():
+    result = cli("status", VLLM_DSA_DBO_CHECK="off", VLLM_DSA_DBO_DISABLE="0")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "VLLM_DSA_DBO_CHECK: 'off' (isolation checker off)" in result.stdout
+    assert "VLLM_DSA_DBO_DISABLE: '0' (fix on)" in result.stdout
+    assert "fix active" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [({"VLLM_DSA_DBO_CHECK": "bogus"}, "VLLM_DSA_DBO_CHECK='bogus' is not understood: set raise "
+      "or audit to turn the checker on"),
+     ({"VLLM_DSA_DBO_DISABLE": "maybe"}, "VLLM_DSA_DBO_DISABLE='maybe' is not understood: "
+      "set 1, true, yes or on to turn the fix off")],
+    ids=["check-bogus", "disable-maybe"],
+)
+def test_status_unknown_env_value_is_an_error(env, message):
+    """Not "fix active" and not "not set": one error naming the value and what it may be."""
+    result = cli("status", **env)
+    assert result.returncode == 2
+    [error] = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert message in error and "Traceback" not in result.stderr
+    assert "NOT understood" in result.stdout and "fix active" not in result.stdout
 
 
 def test_memory_glm53_is_19_groups_216_mib():
@@ -84,31 +159,88 @@ def test_memory_matches_the_builders_allocation(fake_gpu, tmp_path):
 
 
 def test_memory_without_dbo_or_followers_is_zero(tmp_path):
-    assert "0 bytes (no DBO)" in cli("memory", "--preset", "glm-5.3", "--num-ubatches", "1").stdout
-    config = {"num_hidden_layers": 61, "index_topk": 2048}  # DeepSeek-V3.2: freq 1
+    assert "0 bytes; no DBO" in cli("memory", "--preset", "glm-5.3", "--num-ubatches", "1").stdout
+    # DeepSeek-V3.2: freq 1
+    config = {"architectures": ["DeepseekV32ForCausalLM"], "num_hidden_layers": 61,
+              "index_topk": 2048}
     (tmp_path / "config.json").write_text(json.dumps(config))
     result = cli("memory", "--config", str(tmp_path / "config.json"))
-    assert result.returncode == 0 and "G = 0" in result.stdout
-    assert "0 bytes (no layer reuses another's top-k)" in result.stdout
+    assert result.returncode == 0 and "followers (0, " in result.stdout
+    assert "0 bytes; no layer reuses another's top-k" in result.stdout
 
 
 @pytest.mark.parametrize(
     "content, args, message",
     [
-        (None, ["--config", "/nonexistent/config.json"], "cannot read"),
+        pytest.param(None, ["--config", "/nonexistent/config.json"], "cannot read", id="missing"),
         ("{not json", [], "is not valid JSON"),
         ("[1, 2]", [], "is not a JSON object"),
-        ('{"num_hidden_layers": 4}', [], "not a DeepSeek Sparse Attention config"),
-        ('{"num_hidden_layers": 0, "index_topk": 64}', [], "num_hidden_layers must be a positive integer"),
+        ('{"num_hidden_layers": 4}', [], "architectures must name the model class"),
+        ('{"architectures": "GlmMoeDsaForCausalLM"}', [],
+         "architectures must name the model class"),
+        ('{"architectures": ["GlmMoeDsaForCausalLM"], "num_hidden_layers": 4}', [],
+         "not a DeepSeek Sparse Attention config"),
+        (f'{{{GLM}, "num_hidden_layers": 0, "index_topk": 64}}', [],
+         "num_hidden_layers must be a whole number >= 1, got 0"),
+        (f'{{{GLM}, "num_hidden_layers": 10000000000, "index_topk": 64}}', [],
+         "num_hidden_layers must be at most 100,000"),
+        (f'{{{GLM}, "num_hidden_layers": 4, "index_topk": true}}', [],
+         "index_topk must be a whole number >= 1, got True"),
+        (f'{{{GLM}, "num_hidden_layers": 4, "index_topk": 64.0}}', [],
+         "index_topk must be a whole number >= 1, got 64.0"),
+        (f'{{{GLM}, "text_config": null}}', [], "text_config must be a JSON object, got null"),
+        (f'{{{GLM}, "text_config": [1]}}', [], "text_config must be a JSON object, got [1]"),
+        *[pytest.param(f'{{{GLM}, {GLM_SIZE}, {key}}}', [], message, id=key)
+          for key, message in [
+            ('"index_topk_freq": "4"', "index_topk_freq must be a whole number >= 1, got '4'"),
+            # vLLM divides by it (v32) or refuses it (HYV4); never 1 by default.
+            ('"index_topk_freq": 0', "index_topk_freq must be a whole number >= 1, got 0"),
+            ('"index_topk_freq": null', "index_topk_freq must be a whole number >= 1, got null"),
+            ('"index_topk_freq": -4', "index_topk_freq must be a whole number >= 1, got -4"),
+            ('"index_topk_freq": 4.5', "index_topk_freq must be a whole number >= 1, got 4.5"),
+            *[(f'"index_skip_topk_offset": {offset}',
+               f"index_skip_topk_offset must be a whole number, got {shown}")
+              for offset, shown in (('"3"', "'3'"), ("null", "null"))],
+            *[(f'"index_topk_pattern": {pattern}', "index_topk_pattern must be F (runs the indexer)")
+              for pattern in ('12345', '"FSX"', '["F", 1]', '{"0": "F"}')],
+        ]],
+        pytest.param(
+            '{"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 4, "index_topk": 64}',
+            [], "LlamaForCausalLM is not a DSA model", id="not-dsa"),
+        ('{"architectures": ["HYV4ForCausalLM"], "num_hidden_layers": 3, "index_topk": 64, '
+         '"indexer_types": ["full", "shared"]}', [],
+         "indexer_types must hold 'full' or 'shared' for each of the 3 layers"),
+        ('{"architectures": ["HYV4ForCausalLM"], "num_hidden_layers": 2, "index_topk": 64, '
+         '"indexer_types": ["full", "half"]}', [], "indexer_types must hold 'full' or 'shared'"),
+        ('{"architectures": ["HYV4ForCausalLM"], "num_hidden_layers": 2, "index_topk": 64, '
+         '"layer_types": "sparse"}', [], "layer_types must be a list of str, got 'sparse'"),
+        ('{"architectures": ["DeepseekV41ForCausalLM"], "num_hidden_layers": 2, "index_topk": 64, '
+         '"compress_ratios": [1, 4]}', [], "compress_ratios must hold 0, 1 or 2 per layer"),
+        ('{"architectures": ["DeepseekV41ForCausalLM"], "num_hidden_layers": 2, "index_topk": 64, '
+         '"compress_ratios": [0, 1], "kv_source_layer_ids": [1], "index_source_layer_ids": [2]}',
+         [], "layer 1 is compressed but no index_source_layer_ids entry is at or below it"),
+        ('{"architectures": ["DeepseekV41ForCausalLM"], "num_hidden_layers": 2, "index_topk": 64, '
+         '"candidate_source_layer_id": null}', [],
+         "candidate_source_layer_id must be a whole number"),
+        ('{"architectures": ["MiniMaxM3SparseForCausalLM"], "num_hidden_layers": 2, '
+         '"index_topk": 64, "index_topk_freq": "four"}', ["--platform", "rocm"],
+         "index_topk_freq must be a whole number, got 'four'"),
+        ('{"architectures": ["MiniMaxM3SparseForCausalLM"], "num_hidden_layers": 2, '
+         '"index_topk": 64, "sparse_attention_config": [1]}', ["--platform", "rocm"],
+         "sparse_attention_config must be a JSON object"),
+        (b'{"architectures": ["GlmMoeDsaForCausalLM"], "name": "\xe9"}', [], "is not UTF-8 text"),
     ],
 )
 def test_memory_bad_config(tmp_path, content, args, message):
+    """One clear error, exit 2, read before torch or vLLM is imported (fast)."""
+    path = tmp_path / "config.json"
     if content is not None:
-        (tmp_path / "config.json").write_text(content)
-        args = ["--config", str(tmp_path)]
-    result = cli("memory", *args)
-    assert result.returncode == 2
-    assert message in result.stderr
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+        args = ["--config", str(tmp_path), *args]
+    result = cli_without_torch("memory", *args)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr, result.stderr
+    assert result.stdout.splitlines()[-1] == "torch imported: False"
 
 
 @pytest.mark.parametrize(
@@ -130,6 +262,55 @@ def test_demo_shows_the_corruption_and_the_fix():
     assert sorted(wrong) == [("4", "0"), ("5", "0"), ("7", "0")]
     assert "[WRONG]" not in fixed
     assert "0 of 16 top-k reads came from the wrong microbatch" in fixed
+
+
+def test_demo_with_the_checker_in_both_modes():
+    """README's `VLLM_DSA_DBO_CHECK=audit vllm-dsa-dbo demo`, and raise: the checker
+    counts (audit) or stops at (raise) stock vLLM's bad reads, and sees none with the fix."""
+    audit = cli("demo", VLLM_DSA_DBO_CHECK="audit")
+    assert audit.returncode == 0, audit.stdout + audit.stderr
+    stock, fixed = audit.stdout.split("with vllm-dsa-dbo:", 1)
+    assert "isolation checker (audit): 12 violations" in stock
+    assert "isolation checker (audit): 0 violations" in fixed
+    assert audit.stdout.rstrip().endswith("the isolation checker (audit) saw no bad read")
+
+    raised = cli("demo", VLLM_DSA_DBO_CHECK="raise")
+    assert raised.returncode == 0, raised.stdout + raised.stderr
+    assert "Traceback" not in raised.stderr
+    stock, fixed = raised.stdout.split("with vllm-dsa-dbo:", 1)
+    assert ("isolation checker (raise) stopped the step at the first bad read: logical top-k: "
+            "group 2 follower 2 in microbatch 0") in stock
+    assert "0 of 16 top-k reads came from the wrong microbatch" in fixed
+    assert "isolation checker (raise): 0 violations" in fixed
+
+
+def test_demo_refuses_an_unknown_checker_value():
+    result = cli("demo", VLLM_DSA_DBO_CHECK="bogus")
+    assert result.returncode == 2 and result.stdout == ""
+    assert "VLLM_DSA_DBO_CHECK='bogus' is not understood" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "config, args, shown",
+    [
+        ({"architectures": ["HYV4ForCausalLM"], "num_hidden_layers": 4, "index_topk": 64,
+          "layer_types": ["deepseek_sparse_attention"] * 4,
+          "indexer_types": ["full", "shared", "full", "shared"]}, [],
+         "extra bytes per GPU per extra microbatch: 2,097,152 (2.0 MiB)"),  # 8192 x 64 x 4
+        ({"architectures": ["DeepseekV41ForCausalLM"], "num_hidden_layers": 2, "index_topk": 64,
+          "compress_ratios": [1, 1], "kv_source_layer_ids": [0], "index_source_layer_ids": [0]},
+         [], "extra memory: none; refused under DBO"),
+        ({"architectures": ["DeepseekV32ForCausalLM"], "num_hidden_layers": 4, "index_topk": 64,
+          "index_topk_freq": 2}, ["--platform", "rocm"],
+         "  (logical top-k buffer only (followers build private single-layer groups))"),
+    ],
+    ids=["hy-v4", "deepseek-v41", "rocm-dsa"],
+)
+def test_memory_command_follows_the_architecture(tmp_path, config, args, shown):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    result = cli("memory", "--config", str(tmp_path), *args)
+    assert result.returncode == 0, result.stderr
+    assert shown in result.stdout
 
 
 def test_startup_line_names_what_was_allocated(fake_gpu):

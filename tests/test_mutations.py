@@ -1,6 +1,6 @@
 """The core test (and the HYV4, ROCm DSA, compiled DSA and sparse MLA backend tests for
 their patches, and the loader, guard and live-check tests for theirs) fails when any part
-of the fix is removed from the source.
+of the fix is removed from the source; so does each bad-input test when its check is.
 
 Each mutation edits a copy of the package and runs its test against it
 in a fresh interpreter, as a reviewer would check it by hand (two at a time).
@@ -38,6 +38,17 @@ ALIAS_TEST = "tests/test_loaders.py::test_loaders_imported_before_registration_g
 GUARD_TEST = (
     "tests/test_guard.py::test_other_version_refuses_dbo_with_shared_topk_and_runs_the_rest"
 )
+# Bad input never crashes and never lies.
+DEMO_RAISE_TEST = (
+    "tests/test_isolation.py::test_raise_mode_stops_at_the_first_bad_read_on_stock_vllm"
+)
+REGISTER_ENV_TEST = "tests/test_plugin.py::test_vllm_starts_with_any_env_value[check-bogus]"
+STATUS_ENV_TEST = "tests/test_cli.py::test_status_unknown_env_value_is_an_error[check-bogus]"
+BAD_CONFIG = "tests/test_cli.py::test_memory_bad_config"
+MEMORY_HYV4_TEST = "tests/test_memory.py::test_memory_is_what_hy_v4_allocates"
+MEMORY_V41_TEST = "tests/test_cli.py::test_memory_command_follows_the_architecture[deepseek-v41]"
+AB_QUESTIONS_TEST = "tests/test_ab.py::test_runs_on_other_questions_are_refused"
+AB_TWO_RUNS_TEST = "tests/test_ab.py::test_a_folder_with_two_runs_is_refused"
 
 MUTATIONS = {
     "index group always returns microbatch 0's state": (
@@ -219,6 +230,69 @@ MUTATIONS = {
         "        return False\n",
         "tests/test_live_checks.py::test_groups_no_patch_touched_are_refused_under_dbo",
     ),
+    "demo: the checker's raise ends the stock phase with a traceback": (
+        "demo.py",
+        "        except isolation.MicrobatchIsolationError as e:\n",
+        "        except KeyError as e:\n",
+        DEMO_RAISE_TEST,
+    ),
+    "register raises on an unknown VLLM_DSA_DBO_CHECK": (
+        "__init__.py",
+        '        logger.error("vllm-dsa-dbo: %s. The isolation checker stays off.", e)\n'
+        "        check = None\n",
+        "        raise\n",
+        REGISTER_ENV_TEST,
+    ),
+    "status passes over an unknown VLLM_DSA_DBO_CHECK": (
+        "cli.py",
+        '        errors.append(f"{e}; vLLM logs this and runs with the checker off")\n',
+        "        pass\n",
+        STATUS_ENV_TEST,
+    ),
+    "memory imports torch before it reads the config": (
+        "cli.py",
+        "    source, model = load_config(args)\n"
+        "    from vllm_dsa_dbo.ubatch_topk import ubatch_topk_bytes_per_extra_ubatch\n",
+        "    from vllm_dsa_dbo.ubatch_topk import ubatch_topk_bytes_per_extra_ubatch\n"
+        "    source, model = load_config(args)\n",
+        f"{BAD_CONFIG}[missing]",
+    ),
+    "memory leaves a string index_topk_freq to vLLM": (
+        "layout.py",
+        '        _whole(text, "index_topk_freq", 1, 1)\n',
+        "        pass\n",
+        f'{BAD_CONFIG}["index_topk_freq": "4"]',
+    ),
+    "memory sizes any architecture with index_topk": (
+        "layout.py",
+        "    if architecture not in CODE_PATHS:\n",
+        "    if False:\n",
+        f"{BAD_CONFIG}[not-dsa]",
+    ),
+    "memory counts physical copies HYV4 does not make": (
+        "cli.py",
+        "        logical_only=model.path.copies == LOGICAL,\n",
+        "        logical_only=False,\n",
+        MEMORY_HYV4_TEST,
+    ),
+    "memory sizes DeepSeek-V4.1, which the loader refuses under DBO": (
+        "layout.py",
+        '        CodePath("vllm/models/deepseek_v41", "deepseek_v41", REFUSED)\n',
+        '        CodePath("vllm/models/deepseek_v41", None, UNSHARED)\n',
+        MEMORY_V41_TEST,
+    ),
+    "ab compares runs on other questions": (
+        "ab.py",
+        "        check_same_questions(ref, run)\n",
+        "        pass\n",
+        AB_QUESTIONS_TEST,
+    ),
+    "ab merges two runs' samples files": (
+        "ab.py",
+        "    if len(files) > 1:\n",
+        "    if False:\n",
+        AB_TWO_RUNS_TEST,
+    ),
 }
 
 
@@ -242,7 +316,9 @@ def copy_package(root: Path) -> Path:
 
 @pytest.mark.parametrize(
     "test",
-    [CORE_TEST, HYV4_TEST, ROCM_TEST, COMPILED_TEST, FA3_TEST, XPU_TEST],
+    [CORE_TEST, HYV4_TEST, ROCM_TEST, COMPILED_TEST, FA3_TEST, XPU_TEST, DEMO_RAISE_TEST,
+     REGISTER_ENV_TEST, STATUS_ENV_TEST, f"{BAD_CONFIG}[not-dsa]", MEMORY_HYV4_TEST,
+     MEMORY_V41_TEST, AB_QUESTIONS_TEST, AB_TWO_RUNS_TEST],
     ids=str,
 )
 def test_core_test_passes_on_unmutated_copy(test, tmp_path):

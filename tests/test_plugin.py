@@ -47,6 +47,45 @@ def test_vllm_plugins_filter_and_env_switch_turn_it_off():
     assert "PATCHED False" in run_python(LOAD, PATCHED, VLLM_DSA_DBO_DISABLE="1").stdout
 
 
+RECORD_LOG = """
+    import logging
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("vllm.dsa_dbo").addHandler(handler)
+"""
+CHECKER = """
+    from vllm_dsa_dbo import isolation
+    print("CHECKER", isolation.CHECKER and isolation.CHECKER.mode)
+    print("ERRORS", [r.getMessage() for r in records if r.levelname == "ERROR"])
+"""
+
+
+@pytest.mark.parametrize(
+    "env, patched, checker, logged",
+    [
+        ({"VLLM_DSA_DBO_CHECK": "bogus"}, True, None,
+         "VLLM_DSA_DBO_CHECK='bogus' is not understood: set raise or audit to turn the checker "
+         "on, or unset it (0, false, no, off or none also mean off). The isolation checker "
+         "stays off."),
+        ({"VLLM_DSA_DBO_DISABLE": "maybe"}, True, None,
+         "VLLM_DSA_DBO_DISABLE='maybe' is not understood: set 1, true, yes or on to turn the "
+         "fix off, or unset it (0, false, no, off or none also mean off). The fix is applied."),
+        ({"VLLM_DSA_DBO_CHECK": "off", "VLLM_DSA_DBO_DISABLE": "0"}, True, None, None),
+        ({"VLLM_DSA_DBO_CHECK": "Audit", "VLLM_DSA_DBO_DISABLE": "yes"}, False, "audit", None),
+    ],
+    ids=["check-bogus", "disable-maybe", "off-spellings", "checker-only"],
+)
+def test_vllm_starts_with_any_env_value(env, patched, checker, logged):
+    """vLLM's plugin loader never sees an exception: an unknown value is logged as an
+    error, the checker stays off and the fix is applied."""
+    result = run_python(RECORD_LOG, LOAD, PATCHED, CHECKER, **env)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert f"PATCHED {patched}" in result.stdout and f"CHECKER {checker}" in result.stdout
+    expected = [] if logged is None else [f"vllm-dsa-dbo: {logged}"]
+    assert f"ERRORS {expected!r}" in result.stdout, result.stdout
+
+
 def test_other_vllm_version_is_refused_and_nothing_patched():
     result = run_python(
         """

@@ -17,9 +17,36 @@ DISABLE_ENV = "VLLM_DSA_DBO_DISABLE"
 # Under "vllm." so that lines carry vLLM's log format and level.
 LOGGER_NAME = "vllm.dsa_dbo"
 
+# The spellings of "off" every plugin switch accepts, and of "on" for a yes/no one.
+OFF = ("", "0", "false", "no", "off", "none")
+ON = ("1", "true", "yes", "on")
+
+
+class EnvValueError(ValueError):
+    """A plugin environment variable set to a value it does not know."""
+
+
+def env_choice(name: str, choices: tuple[str, ...], meaning: str) -> str | None:
+    """`name`'s value from `choices` (any case), None when unset or off; else EnvValueError."""
+    raw = os.environ.get(name, "")
+    value = raw.strip().lower()
+    if value in OFF:
+        return None
+    if value in choices:
+        return value
+    raise EnvValueError(
+        f"{name}={raw!r} is not understood: set {_either(choices)} to {meaning}, or unset "
+        f"it ({_either(OFF[1:])} also mean off)"
+    )
+
+
+def _either(values: tuple[str, ...]) -> str:
+    return ", ".join(values[:-1]) + " or " + values[-1] if len(values) > 1 else values[0]
+
 
 def disabled_by_env() -> bool:
-    return os.environ.get(DISABLE_ENV, "").strip().lower() in ("1", "true", "yes")
+    """Whether VLLM_DSA_DBO_DISABLE turns the fix off; EnvValueError for an unknown value."""
+    return env_choice(DISABLE_ENV, ON, "turn the fix off") is not None
 
 
 def is_supported_vllm(version: str) -> bool:
@@ -49,13 +76,22 @@ def _register(logger: Any) -> None:
     from vllm_dsa_dbo import guard
     from vllm_dsa_dbo.isolation import install, mode_from_env
 
-    check = mode_from_env()
-    if disabled_by_env() and check is None:
+    try:
+        check = mode_from_env()
+    except EnvValueError as e:
+        logger.error("vllm-dsa-dbo: %s. The isolation checker stays off.", e)
+        check = None
+    try:
+        disabled = disabled_by_env()
+    except EnvValueError as e:
+        logger.error("vllm-dsa-dbo: %s. The fix is applied.", e)
+        disabled = False
+    if disabled and check is None:
         logger.info("vllm-dsa-dbo disabled by %s; nothing patched", DISABLE_ENV)
         return
     if guard.stays_out(logger):
         return
-    if disabled_by_env():
+    if disabled:
         logger.info("vllm-dsa-dbo disabled by %s; only its checker runs", DISABLE_ENV)
     else:
         from vllm_dsa_dbo.patches import LOAD_CHECK_MODULES, apply_all

@@ -14,11 +14,13 @@ question to an OpenAI-compatible endpoint as lm_eval's gsm8k task would
 
 from __future__ import annotations
 
+import http.client
 import json
 import math
 import random
 import re
 import urllib.error
+import urllib.parse
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -39,11 +41,13 @@ class ABError(Exception):
 
 @dataclass(frozen=True)
 class Run:
-    """Per filter, whether each question (doc id) was answered right; each question's output."""
+    """Per filter, whether each question (doc id) was answered right; each question's
+    output, and what identifies the question itself (None where the run does not say)."""
 
     name: str
     correct: dict[str, dict[int, bool]]
     responses: dict[int, object]
+    questions: dict[int, str | None]
 
 
 @dataclass(frozen=True)
@@ -64,25 +68,66 @@ class Comparison:
         return 0.0 if discordant == 0 else (self.lost - self.gained) / math.sqrt(discordant)
 
 
-def load_samples(folder: Path, task: str, metric: str) -> Run:
-    """A run from lm_eval's samples_<task>_*.jsonl (`resps` is the generated text)."""
-    files = sorted(folder.rglob(f"samples_{task}_*.jsonl"))
+def read_text(path: Path) -> str:
+    try:
+        return path.read_bytes().decode("utf-8")
+    except OSError as e:
+        raise ABError(f"cannot read {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ABError(f"{path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
+
+
+def samples_file(folder: Path, task: str) -> Path:
+    """The one samples_<task>_<date>.jsonl lm_eval wrote under `folder`."""
+    # lm_eval names it samples_<task>_<ISO date>; the date keeps gsm8k_cot out of gsm8k.
+    name = re.compile(rf"samples_{re.escape(task)}_\d{{4}}-\d\d-\d\dT[^/]*\.jsonl")
+    files = sorted(p for p in folder.rglob("samples_*.jsonl") if name.fullmatch(p.name))
     if not files:
-        raise ABError(f"{folder}: no samples_{task}_*.jsonl (run lm_eval with --log_samples)")
+        raise ABError(f"{folder}: no samples_{task}_<date>.jsonl (run lm_eval with --log_samples)")
+    if len(files) > 1:
+        raise ABError(
+            f"{folder} holds {len(files)} samples_{task}_*.jsonl files "
+            f"({', '.join(str(f.relative_to(folder)) for f in files)}), as a second lm_eval run "
+            "into the same --output_path leaves them: give the folder of one run, or move "
+            "the others away"
+        )
+    return files[0]
+
+
+def load_samples(folder: Path, task: str, metric: str) -> Run:
+    """A run from lm_eval's samples_<task>_<date>.jsonl (`resps` is the generated text)."""
+    path = samples_file(folder, task)
     correct: dict[str, dict[int, bool]] = {}
     responses: dict[int, object] = {}
-    for path in files:
-        for number, line in enumerate(path.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                sample = json.loads(line)
-                doc_id = int(sample["doc_id"])
-                correct.setdefault(sample.get("filter", "none"), {})[doc_id] = float(sample[metric]) >= 1.0
-                responses[doc_id] = sample["resps"]
-            except (ValueError, KeyError, TypeError) as e:
-                raise ABError(f"{path}:{number}: not an lm_eval sample with {metric!r}: {e}") from None
-    return Run(str(folder), correct, responses)
+    questions: dict[int, str | None] = {}
+    for number, line in enumerate(read_text(path).splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            sample = json.loads(line)
+            doc_id = sample["doc_id"]
+            if not isinstance(doc_id, int) or isinstance(doc_id, bool):
+                raise TypeError(f"doc_id {doc_id!r} is not a whole number")
+            answers = correct.setdefault(sample.get("filter", "none"), {})
+            if doc_id in answers:
+                raise ValueError(f"doc_id {doc_id} appears twice")
+            answers[doc_id] = float(sample[metric]) >= 1.0
+            responses[doc_id] = sample["resps"]
+            question = question_of(sample)
+        except (ValueError, KeyError, TypeError) as e:
+            raise ABError(f"{path}:{number}: not an lm_eval sample with {metric!r}: {e}") from None
+        if questions.setdefault(doc_id, question) != question:
+            raise ABError(f"{path}:{number}: doc_id {doc_id} holds another question than before")
+    if not correct:
+        raise ABError(f"{path}: no samples")
+    return Run(str(folder), correct, responses, questions)
+
+
+def question_of(sample: dict) -> str | None:
+    """What identifies a sample's question: lm_eval's doc_hash, else the doc itself."""
+    if "doc_hash" in sample:
+        return str(sample["doc_hash"])
+    return json.dumps(sample["doc"], sort_keys=True) if "doc" in sample else None
 
 
 def compare(runs: list[Run]) -> list[Comparison]:
@@ -90,6 +135,7 @@ def compare(runs: list[Run]) -> list[Comparison]:
     ref = runs[0]
     rows = []
     for run in runs:
+        check_same_questions(ref, run)
         for filter_name, answers in sorted(run.correct.items()):
             accuracy = sum(answers.values()) / len(answers)
             if run is ref:
@@ -108,6 +154,22 @@ def compare(runs: list[Run]) -> list[Comparison]:
                 Comparison(run.name, filter_name, accuracy, len(answers), lost, gained, identical)
             )
     return rows
+
+
+def check_same_questions(ref: Run, run: Run) -> None:
+    """Runs compare question by question only if each doc id is the same question."""
+    if run.correct.keys() != ref.correct.keys():
+        raise ABError(
+            f"{run.name}: filters {sorted(run.correct)} are not {ref.name}'s {sorted(ref.correct)}"
+        )
+    differ = [q for q, key in run.questions.items()
+              if key is not None and ref.questions.get(q) not in (None, key)]
+    if differ:
+        raise ABError(
+            f"{run.name}: {len(differ)} doc ids (first {min(differ)}) hold other questions "
+            f"than in {ref.name} (their doc / doc_hash differ): compare runs of one task "
+            "on the same questions"
+        )
 
 
 def table(rows: list[Comparison]) -> str:
@@ -132,19 +194,20 @@ def table(rows: list[Comparison]) -> str:
 
 def read_docs(path: Path) -> list[dict[str, str]]:
     """GSM8K-format lines: {"question": ..., "answer": "... #### N"}."""
-    try:
-        lines = path.read_text().splitlines()
-    except OSError as e:
-        raise ABError(f"cannot read {path}: {e.strerror or e}") from None
     docs = []
-    for number, line in enumerate(lines, 1):
+    for number, line in enumerate(read_text(path).splitlines(), 1):
         if not line.strip():
             continue
         try:
             doc = json.loads(line)
-            docs.append({"question": str(doc["question"]), "answer": str(doc["answer"])})
+            question, answer = doc["question"], doc["answer"]
+            if not isinstance(question, str) or not isinstance(answer, str):
+                raise TypeError("question and answer must be strings")
         except (ValueError, KeyError, TypeError) as e:
             raise ABError(f"{path}:{number}: not a GSM8K question/answer line: {e}") from None
+        if "#### " not in answer:
+            raise ABError(f"{path}:{number}: the answer has no '#### <number>' final answer")
+        docs.append({"question": question, "answer": answer})
     if not docs:
         raise ABError(f"{path}: no questions")
     return docs
@@ -193,23 +256,30 @@ def _call(url: str, payload: dict | None = None) -> dict:
     request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
     try:
         with OPENER.open(request, timeout=TIMEOUT_S) as response:
-            return json.load(response)
+            body = response.read()
     except urllib.error.HTTPError as e:
         raise ABError(f"{url}: HTTP {e.code}: {e.read()[:300].decode(errors='replace')}") from None
     except urllib.error.URLError as e:
         raise ABError(f"cannot reach {url}: {e.reason}") from None
-    except OSError as e:
-        raise ABError(f"cannot reach {url}: {e}") from None
+    except http.client.HTTPException as e:
+        raise ABError(f"{url}: not an HTTP answer: {e!r}") from None
+    except (OSError, ValueError) as e:
+        raise ABError(f"cannot reach {url}: {e!r}") from None
+    try:
+        return json.loads(body)
     except ValueError:
-        raise ABError(f"{url}: the answer is not JSON") from None
+        raise ABError(f"{url}: the answer is not JSON: {body[:300]!r}") from None
 
 
 def served_model(base_url: str) -> str:
     body = _call(f"{base_url}/models")
     try:
-        return body["data"][0]["id"]
+        model = body["data"][0]["id"]
     except (KeyError, IndexError, TypeError):
-        raise ABError(f"{base_url}/models: no model listed") from None
+        model = None
+    if not isinstance(model, str):
+        raise ABError(f"{base_url}/models: no model listed; give --model")
+    return model
 
 
 def complete(base_url: str, model: str, prompt: str, max_tokens: int) -> str:
@@ -217,9 +287,12 @@ def complete(base_url: str, model: str, prompt: str, max_tokens: int) -> str:
                "stop": [STOP]}
     body = _call(f"{base_url}/completions", payload)
     try:
-        return body["choices"][0]["text"]
+        text = body["choices"][0]["text"]
     except (KeyError, IndexError, TypeError):
-        raise ABError(f"{base_url}/completions: not a completions answer: {str(body)[:300]}") from None
+        text = None
+    if not isinstance(text, str):
+        raise ABError(f"{base_url}/completions: not a completions answer: {str(body)[:300]}")
+    return text
 
 
 def query(
@@ -233,7 +306,8 @@ def query(
     for doc_id, (doc, output) in enumerate(zip(docs, outputs)):
         for filter_name, right in score(output, doc["answer"]).items():
             correct.setdefault(filter_name, {})[doc_id] = right
-    return Run(base_url, correct, dict(enumerate(outputs)))
+    return Run(base_url, correct, dict(enumerate(outputs)),
+               {i: doc["question"] for i, doc in enumerate(docs)})
 
 
 def endpoint_runs(
@@ -242,5 +316,18 @@ def endpoint_runs(
 ) -> list[Run]:
     """Every endpoint must name its model (or be given one) before any is queried."""
     urls = [url.rstrip("/") for url in urls]
+    for url in urls:
+        try:
+            parts = urllib.parse.urlsplit(url)
+            parts.port  # noqa: B018  (raises for a port that is not a number)
+        except ValueError:
+            parts = None
+        if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ABError(f"{url} is not an http(s) URL, e.g. http://127.0.0.1:8000/v1")
     models = [model or served_model(url) for url in urls]
+    if len(set(models)) > 1:
+        raise ABError(
+            f"the endpoints serve different models ({', '.join(models)}): compare one model "
+            "with DBO off and on, or give --model to ask each for the same name"
+        )
     return [query(url, m, docs, texts, max_tokens, concurrency) for url, m in zip(urls, models)]

@@ -10,8 +10,23 @@ import sys
 from importlib.metadata import PackageNotFoundError, entry_points, version
 from pathlib import Path
 
-from vllm_dsa_dbo import DISABLE_ENV, SUPPORTED_VLLM, disabled_by_env, is_supported_vllm
-from vllm_dsa_dbo.layout import groups_with_followers, leader_mask
+from vllm_dsa_dbo import (
+    DISABLE_ENV,
+    SUPPORTED_VLLM,
+    EnvValueError,
+    disabled_by_env,
+    is_supported_vllm,
+)
+from vllm_dsa_dbo.layout import (
+    GROUPS,
+    LOGICAL,
+    PLATFORMS,
+    REFUSED,
+    UNSHARED,
+    Layout,
+    check_config,
+    layout,
+)
 
 ENTRY_POINT_GROUP = "vllm.general_plugins"
 ENTRY_POINT_NAME = "dsa_dbo"
@@ -24,6 +39,8 @@ GLM53 = {
     "index_skip_topk_offset": 3,
 }
 PRESETS = {"glm-5.3": GLM53}
+# `python -m vllm_dsa_dbo.demo` exits with this when a read crossed microbatches.
+DEMO_CROSSED = 3
 
 
 class UsageError(Exception):
@@ -86,13 +103,24 @@ def status(args: argparse.Namespace) -> int:
         print(f"VLLM_PLUGINS: {allowed!r} (includes {ENTRY_POINT_NAME})")
     else:
         print(f"VLLM_PLUGINS: {allowed!r} (does NOT include {ENTRY_POINT_NAME})")
-        problems.append(f"VLLM_PLUGINS filters out {ENTRY_POINT_NAME}")
+        spaced = ENTRY_POINT_NAME in [name.strip() for name in allowed.split(",")]
+        problems.append(
+            f"VLLM_PLUGINS filters out {ENTRY_POINT_NAME}"
+            + (" (vLLM matches names exactly: drop the spaces)" if spaced else "")
+        )
 
-    if disabled_by_env():
-        print(f"{DISABLE_ENV}: set, the plugin patches nothing")
-        problems.append(f"{DISABLE_ENV} is set")
+    errors: list[str] = []
+    try:
+        disabled = disabled_by_env()
+    except EnvValueError as e:
+        errors.append(f"{e}; vLLM logs this and applies the fix")
+        print(f"{DISABLE_ENV}: {env_shown(DISABLE_ENV)} NOT understood")
     else:
-        print(f"{DISABLE_ENV}: not set")
+        meaning = "the plugin patches nothing" if disabled else "fix on"
+        print(f"{DISABLE_ENV}: {env_shown(DISABLE_ENV)} ({meaning})")
+        if disabled:
+            problems.append(f"{DISABLE_ENV} is set")
+    print(check_line(errors))
 
     from vllm_dsa_dbo.patches import LOAD_CHECK_MODULES, patch_modules, short_name, wire
 
@@ -109,6 +137,9 @@ def status(args: argparse.Namespace) -> int:
 
     if problems:
         print("fix NOT active: " + "; ".join(problems))
+    if errors:
+        raise UsageError("; ".join(errors))
+    if problems:
         return 1
     print("fix active: vLLM will apply it in every process")
     return 0
@@ -120,41 +151,60 @@ def guard_seam() -> str:
     return guard.install("(vllm-dsa-dbo status)") or "NO seam: such runs are NOT refused"
 
 
+def env_shown(name: str) -> str:
+    return repr(os.environ[name]) if name in os.environ else "not set"
+
+
+def check_line(errors: list[str]) -> str:
+    """The status line for VLLM_DSA_DBO_CHECK; a value it does not know goes to `errors`."""
+    from vllm_dsa_dbo.isolation import CHECK_ENV, mode_from_env
+
+    try:
+        mode = mode_from_env()
+    except EnvValueError as e:
+        errors.append(f"{e}; vLLM logs this and runs with the checker off")
+        return f"{CHECK_ENV}: {env_shown(CHECK_ENV)} NOT understood"
+    state = "off" if mode is None else f"on in every vLLM process, mode {mode}"
+    return f"{CHECK_ENV}: {env_shown(CHECK_ENV)} (isolation checker {state})"
+
+
 # memory ---------------------------------------------------------------------
 
 
-def load_config(args: argparse.Namespace) -> tuple[str, dict]:
+def load_config(args: argparse.Namespace) -> tuple[str, Layout]:
+    """The model's layout on the chosen platform; the JSON is checked before vLLM is imported."""
     if args.preset:
-        return f"preset {args.preset}", PRESETS[args.preset]
-    path = Path(args.config)
-    if path.is_dir():
-        path = path / "config.json"
+        source, config = f"preset {args.preset}", PRESETS[args.preset]
+    else:
+        path = Path(args.config)
+        if path.is_dir():
+            path = path / "config.json"
+        source, config = str(path), read_json(path)
+        if not isinstance(config, dict):
+            raise UsageError(f"{path} is not a JSON object")
     try:
-        config = json.loads(path.read_text())
+        code_path, text = check_config(config, args.platform)
+        return source, layout(code_path, text)
+    except ValueError as e:  # ConfigError, or vLLM's own config class refusing it
+        raise UsageError(f"{source}: {e}") from None
+
+
+def read_json(path: Path) -> object:
+    try:
+        return json.loads(path.read_bytes().decode("utf-8"))
     except OSError as e:
         raise UsageError(f"cannot read {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
     except json.JSONDecodeError as e:
         raise UsageError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(config, dict):
-        raise UsageError(f"{path} is not a JSON object")
-    config = config.get("text_config", config)
-    if "index_topk" not in config:
-        raise UsageError(
-            f"{path} is not a DeepSeek Sparse Attention config (no index_topk): "
-            "the plugin allocates nothing for this model"
-        )
-    for key in ("num_hidden_layers", "index_topk"):
-        if not isinstance(config.get(key), int) or config[key] < 1:
-            raise UsageError(f"{path}: {key} must be a positive integer, got {config.get(key)!r}")
-    return str(path), config
 
 
 def memory(args: argparse.Namespace) -> int:
+    source, model = load_config(args)
     from vllm_dsa_dbo.ubatch_topk import ubatch_topk_bytes_per_extra_ubatch
 
-    source, config = load_config(args)
-    leaders = leader_mask(config)
-    followed = groups_with_followers(leaders)
+    followed = model.groups_with_followers
     max_decode_rows = min(
         args.max_num_batched_tokens, args.max_num_seqs * (1 + args.num_speculative_tokens)
     )
@@ -162,43 +212,70 @@ def memory(args: argparse.Namespace) -> int:
     per_ubatch = ubatch_topk_bytes_per_extra_ubatch(
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_decode_rows=max_decode_rows,
-        index_topk=config["index_topk"],
-        groups_with_followers=followed,
+        index_topk=model.index_topk,
+        groups_with_followers=followed if model.path.copies in (GROUPS, LOGICAL) else 0,
+        logical_only=model.path.copies == LOGICAL,
     )
+    refused = model.refused_under_dbo and extra_ubatches > 0
+    if extra_ubatches == 0:
+        verdict = "no DBO: nothing allocated"
+    elif refused:
+        verdict = (
+            f"{REFUSED}: with --enable-dbo every worker stops at model load with a message, "
+            "since the plugin does not keep this path's shared top-k per microbatch"
+        )
+    elif model.path.copies == UNSHARED:
+        verdict = UNSHARED
+    elif not model.followers:
+        verdict = "no layer reuses another's top-k: nothing allocated"
+    else:
+        verdict = f"allocated at model load: {model.path.copies}"
     report = {
         "model": source,
-        "architecture": (config.get("architectures") or ["?"])[0],
-        "layers": len(leaders),
-        "leaders": [i for i, lead in enumerate(leaders) if lead],
-        "followers": sum(not lead for lead in leaders),
+        "architecture": model.architecture,
+        "platform": args.platform,
+        "code_path": model.path.module,
+        "layers": model.num_layers,
+        "leaders": model.leaders,
+        "followers": len(model.followers),
         "groups_with_followers": followed,
-        "index_topk": config["index_topk"],
+        "index_topk": model.index_topk,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_decode_rows": max_decode_rows,
         "num_ubatches": args.num_ubatches,
-        "bytes_per_extra_ubatch": per_ubatch,
-        "bytes_total": per_ubatch * extra_ubatches,
+        "verdict": verdict,
+        "notes": model.notes,
+        "bytes_per_extra_ubatch": None if refused else per_ubatch,
+        "bytes_total": None if refused else per_ubatch * extra_ubatches,
     }
     if args.json:
         print(json.dumps(report, indent=1))
         return 0
-    print(f"model: {source} ({report['architecture']}, {len(leaders)} layers, index_topk {config['index_topk']})")
-    print(f"leaders ({len(report['leaders'])}): {' '.join(map(str, report['leaders']))}")
-    print(f"followers: {report['followers']}; index groups with followers: G = {followed}")
-    print(
-        f"max_decode_rows = min({args.max_num_batched_tokens}, "
-        f"{args.max_num_seqs} x {1 + args.num_speculative_tokens}) = {max_decode_rows}"
-    )
-    if extra_ubatches == 0 or followed == 0:
-        reason = "no DBO" if extra_ubatches == 0 else "no layer reuses another's top-k"
-        print(f"extra memory: 0 bytes ({reason})")
+    print(f"model: {source} ({model.architecture}, {model.num_layers} layers, "
+          f"index_topk {model.index_topk})")
+    print(f"vLLM code path: {model.path.module} ({args.platform})")
+    if model.leaders is not None:
+        print(f"leaders ({len(model.leaders)}): {' '.join(map(str, model.leaders)) or 'none'}")
+    print(f"followers ({len(model.followers)}, reusing another layer's top-k): "
+          f"{' '.join(map(str, model.followers)) or 'none'}")
+    for note in model.notes:
+        print(f"note: {note}")
+    if per_ubatch == 0 or refused or extra_ubatches == 0:
+        print(f"extra memory: {'none' if refused else '0 bytes'}; {verdict}")
         return 0
-    rows = max_decode_rows + 1
-    k = config["index_topk"]
+    k, tokens = model.index_topk, args.max_num_batched_tokens
     print(f"extra bytes per GPU per extra microbatch: {per_ubatch:,} ({per_ubatch / 2**20:.1f} MiB)")
-    print(f"  logical top-k buffer   {args.max_num_batched_tokens} x {k} x 4 = {args.max_num_batched_tokens * k * 4:,}")
-    print(f"  physical top-k rows    {followed} x {rows} x {k} x 4 = {followed * rows * k * 4:,}")
-    print(f"  valid counts           {followed} x {rows} x 4 = {followed * rows * 4:,}")
+    print(f"  logical top-k buffer   {tokens} x {k} x 4 = {tokens * k * 4:,}")
+    if model.path.copies == GROUPS:
+        rows = max_decode_rows + 1
+        print(f"  index groups with followers: G = {followed}; max_decode_rows = "
+              f"min({tokens}, {args.max_num_seqs} x {1 + args.num_speculative_tokens}) = "
+              f"{max_decode_rows}")
+        physical = followed * rows * k * 4
+        print(f"  physical top-k rows    {followed} x {rows} x {k} x 4 = {physical:,}")
+        print(f"  valid counts           {followed} x {rows} x 4 = {followed * rows * 4:,}")
+    else:
+        print(f"  ({model.path.copies})")
     print(
         f"microbatches: {args.num_ubatches}, so {extra_ubatches} extra: "
         f"{report['bytes_total']:,} bytes ({report['bytes_total'] / 2**20:.1f} MiB) per GPU, "
@@ -211,9 +288,10 @@ def memory(args: argparse.Namespace) -> int:
 
 
 def demo(args: argparse.Namespace) -> int:
+    check = plugin_env()
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
     env.pop("VLLM_PLUGINS", None)
-    summaries = {}
+    crossed = {}
     for phase, disable in (("stock", "1"), ("fixed", "")):
         result = subprocess.run(
             [sys.executable, "-m", "vllm_dsa_dbo.demo", "--phase", phase],
@@ -221,17 +299,30 @@ def demo(args: argparse.Namespace) -> int:
             capture_output=True,
             text=True,
         )
-        lines = [l for l in result.stdout.splitlines() if l.strip()]
-        if result.returncode != 0 or not lines:
+        lines = [line for line in result.stdout.splitlines() if line.strip()]
+        if result.returncode not in (0, DEMO_CROSSED) or not lines:
             sys.stderr.write(result.stderr[-4000:])
             print(f"error: the {phase} demo failed (exit {result.returncode})", file=sys.stderr)
             return 1
         print("\n".join(lines) + "\n")
-        summaries[phase] = lines[-1]
-    fixed_clean = " 0 of " in summaries["fixed"]
-    print("the fix keeps every follower on its own microbatch's top-k" if fixed_clean
-          else "error: reads still crossed microbatches with the fix")
-    return 0 if fixed_clean else 1
+        crossed[phase] = result.returncode == DEMO_CROSSED
+    if crossed["fixed"]:
+        print("error: reads still crossed microbatches with the fix", file=sys.stderr)
+        return 1
+    checked = f", and the isolation checker ({check}) saw no bad read" if check else ""
+    print(f"the fix keeps every follower on its own microbatch's top-k{checked}")
+    return 0
+
+
+def plugin_env() -> str | None:
+    """The checker mode the plugin's environment asks for; UsageError for an unknown value."""
+    from vllm_dsa_dbo.isolation import mode_from_env
+
+    try:
+        disabled_by_env()
+        return mode_from_env()
+    except EnvValueError as e:
+        raise UsageError(str(e)) from None
 
 
 # ab -------------------------------------------------------------------------
@@ -244,6 +335,10 @@ def ab_runs(args: argparse.Namespace) -> list:
     if not args.endpoints:
         if len(args.runs) < 2:
             raise UsageError("give two or more lm_eval output folders, or --endpoints")
+        live_only = [f"--{name}" for name in ("questions", "fewshot", "model")
+                     if getattr(args, name) is not None]
+        if live_only:
+            raise UsageError(f"{', '.join(live_only)} apply only with --endpoints")
         for folder in args.runs:
             if not Path(folder).is_dir():
                 raise UsageError(f"{folder} is not a folder")
@@ -254,6 +349,8 @@ def ab_runs(args: argparse.Namespace) -> list:
         raise UsageError("--endpoints needs two or more URLs and --questions")
     if args.num_fewshot and args.fewshot is None:
         raise UsageError("--num-fewshot needs --fewshot")
+    if args.fewshot is not None and not args.num_fewshot:
+        raise UsageError("--fewshot needs --num-fewshot N (examples per question)")
     docs = read_docs(args.questions)
     shots = read_docs(args.fewshot) if args.num_fewshot else []
     texts = prompts(docs, shots, args.num_fewshot)
@@ -301,6 +398,10 @@ def build_parser() -> argparse.ArgumentParser:
         type=whole_number(1),
         default=2,
         help="microbatches per step: 2 with --enable-dbo (default), 1 without",
+    )
+    p.add_argument(
+        "--platform", choices=PLATFORMS, default="cuda",
+        help="the GPU platform vLLM runs on: its code path (and so the copies) differ",
     )
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.set_defaults(func=memory)

@@ -29,6 +29,7 @@ from vllm.v1.attention.backends.mla.sparse_utils import (
     triton_convert_req_index_to_global_index,
 )
 from vllm.v1.worker.ubatching import dbo_yield
+from vllm_dsa_dbo.cli import DEMO_CROSSED
 from vllm_dsa_dbo.layout import leader_mask
 
 INDEX_TOPK = 128
@@ -287,21 +288,25 @@ def main(argv: list[str] | None = None) -> int:
     # As vLLM would: applies the fix unless VLLM_DSA_DBO_DISABLE is set, and
     # the isolation checker when VLLM_DSA_DBO_CHECK is.
     vllm_dsa_dbo.register()
-    with cpu_dbo.cpu_vllm(), cpu_dbo.fake_streams():
-        stack = SharedTopkStack(leaders, None if args.phase == "stock" else 2)
-        reads = stack.run_step(yield_from_layer=FIRST_MOE_LAYER)
-    wrong = [r for r in reads if not r.ok]
     title = "vLLM 0.33.0 as released" if args.phase == "stock" else "with vllm-dsa-dbo"
     print(f"{title}: leaders {[i for i, lead in enumerate(leaders) if lead]}")
+    with cpu_dbo.cpu_vllm(), cpu_dbo.fake_streams():
+        stack = SharedTopkStack(leaders, None if args.phase == "stock" else 2)
+        try:
+            reads = stack.run_step(yield_from_layer=FIRST_MOE_LAYER)
+        except isolation.MicrobatchIsolationError as e:
+            print(f"{title}: isolation checker (raise) stopped the step at the first bad read: {e}")
+            return DEMO_CROSSED
+    wrong = [r for r in reads if not r.ok]
     print("\n".join(report(reads, leaders)))
     print(f"{title}: {len(wrong)} of {len(reads)} top-k reads came from the wrong microbatch")
-    if isolation.CHECKER is not None:
-        checker = isolation.CHECKER
-        print(f"{title}: isolation checker: {sum(checker.violations.values())} violations "
-              f"in {checker.checked_reads} checked reads")
+    checker = isolation.CHECKER
+    if checker is not None:
+        print(f"{title}: isolation checker ({checker.mode}): {sum(checker.violations.values())} "
+              f"violations in {checker.checked_reads} checked reads")
         for (writer, reader, kind), count in sorted(checker.violations.items()):
             print(f"  {kind}: {reader} read {writer}'s write from the other microbatch ({count}x)")
-    return 0
+    return DEMO_CROSSED if wrong or (checker is not None and checker.violations) else 0
 
 
 if __name__ == "__main__":

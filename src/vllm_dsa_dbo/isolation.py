@@ -22,15 +22,12 @@ the logical buffer's reads go unchecked; the physical state is checked.
 from __future__ import annotations
 
 import itertools
-import os
 import threading
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from torch.compiler import is_dynamo_compiling
-
-from vllm_dsa_dbo.ubatch_topk import current_ubatch_id
+from vllm_dsa_dbo import env_choice
 
 CHECK_ENV = "VLLM_DSA_DBO_CHECK"
 MODES = ("raise", "audit")
@@ -65,6 +62,8 @@ class IsolationChecker:
 
     def _stamp(self, layer: str) -> Stamp:
         from vllm.forward_context import get_forward_context, is_forward_context_available
+
+        from vllm_dsa_dbo.ubatch_topk import current_ubatch_id
 
         step = None
         if is_forward_context_available():
@@ -123,6 +122,7 @@ def install(mode: str) -> IsolationChecker:
         return CHECKER
     checker = IsolationChecker(mode)
 
+    from torch.compiler import is_dynamo_compiling
     from vllm.model_executor.layers.attention import sparse_mla_attention
     from vllm.v1.attention.backends.mla import index_group
 
@@ -181,5 +181,5 @@ def install(mode: str) -> IsolationChecker:
 
 
 def mode_from_env() -> str | None:
-    mode = os.environ.get(CHECK_ENV, "").strip().lower()
-    return mode or None
+    """The checker mode VLLM_DSA_DBO_CHECK asks for; EnvValueError for an unknown value."""
+    return env_choice(CHECK_ENV, MODES, "turn the checker on")

@@ -320,15 +320,20 @@ def ubatch_topk_bytes_per_extra_ubatch(
     max_decode_rows: int,
     index_topk: int,
     groups_with_followers: int,
+    logical_only: bool = False,
 ) -> int:
     """Extra bytes per GPU per extra microbatch, as `add_follower_state` allocates.
 
     One logical buffer `[max_num_batched_tokens, index_topk]` when any group
     has followers, plus per such group `max_decode_rows + 1` physical rows of
-    `index_topk` and as many valid counts, all int32.
+    `index_topk` and as many valid counts, all int32. `logical_only`: the
+    logical buffer alone, as `share_ubatch_logical_topk` allocates for models
+    whose followers build private groups (HYV4, ROCm DSA).
     """
     if groups_with_followers == 0:
         return 0
+    if logical_only:
+        return 4 * max_num_batched_tokens * index_topk
     rows = max_decode_rows + 1
     index_bytes = (max_num_batched_tokens + groups_with_followers * rows) * index_topk
     return 4 * (index_bytes + groups_with_followers * rows)
