@@ -261,3 +261,38 @@ def test_deepseek_v41_rebound_buffer_resolves_to_itself(fake_gpu, monkeypatch):
     cpu_dbo.run_dbo_step(lambda ubatch: seen.setdefault(ubatch, op.topk_indices_buffer))
     assert seen[0] is rebound and seen[1] is rebound
     assert model.layers[1].attn.topk_indices_buffer is model.topk_indices_buffer
+
+
+def checked_step(model: nn.Module, monkeypatch, mode: str):
+    """The DBO step with the isolation checker's V4.1 hooks in place."""
+    from vllm.models.deepseek_v41.attention import DeepseekV4Attention
+
+    from vllm_dsa_dbo.isolation import IsolationChecker, checked_v41_layer
+
+    checker = IsolationChecker(mode)
+    stock = DeepseekV4Attention._sparse_indexer_and_attn
+    monkeypatch.setattr(
+        DeepseekV4Attention, "_sparse_indexer_and_attn", checked_v41_layer(checker, stock)
+    )
+    return checker, V41Step(model, monkeypatch).run()
+
+
+def test_deepseek_v41_isolation_checker_silent_with_the_fix(fake_gpu, monkeypatch):
+    model = build_v41_model(monkeypatch, fake_gpu, enable_dbo=True)
+    checker, wrong = checked_step(model, monkeypatch, "raise")
+    assert wrong == [] and not checker.violations
+    assert checker.checked_reads == 6  # per microbatch: layers 1 and 3's top-k, 2's candidates
+
+
+def test_deepseek_v41_isolation_checker_counts_stock_cross_reads(fake_gpu, monkeypatch):
+    from vllm_dsa_dbo.patches import deepseek_v41_model
+
+    monkeypatch.setattr(deepseek_v41_model, "handed_off_buffers", lambda model: [])
+    model = build_v41_model(monkeypatch, fake_gpu, enable_dbo=True)
+    checker, wrong = checked_step(model, monkeypatch, "audit")
+    assert len(wrong) == 3
+    assert dict(checker.violations) == {
+        ("V4.1 layer 0", "V4.1 layer 1", "V4.1 top-k"): 1,
+        ("V4.1 layer 0", "V4.1 layer 2", "V4.1 candidate blocks"): 1,
+        ("V4.1 layer 2", "V4.1 layer 3", "V4.1 top-k"): 1,
+    }

@@ -1,4 +1,4 @@
-"""The core test (and the HYV4, ROCm DSA and compiled DSA tests for their patches) fails when any part of
+"""The core test (and the HYV4, ROCm DSA, compiled DSA and DeepSeek-V4.1 tests for their patches) fails when any part of
 the fix is removed from the source.
 
 Each mutation edits a copy of the package and runs its test against it
@@ -24,6 +24,7 @@ CORE_TEST = (
 HYV4_TEST = "tests/test_hy_v4.py::test_hy_v4_followers_read_their_own_leaders_topk"
 ROCM_TEST = "tests/test_rocm_dsa.py::test_rocm_dsa_followers_read_their_own_leaders_topk"
 COMPILED_TEST = "tests/test_deepseek_v2.py::test_compiled_dsa_followers_read_their_own_leaders_topk"
+V41_TEST = "tests/test_deepseek_v41.py::test_deepseek_v41_reusing_layers_read_their_own_ubatch_state"
 TRACED_TEST = "tests/test_deepseek_v2.py::test_traced_code_reads_microbatch_0s_group_state"
 
 MUTATIONS = {
@@ -117,6 +118,43 @@ MUTATIONS = {
         "        pass\n",
         COMPILED_TEST,
     ),
+    "model not wired (DSv41)": (
+        "patches/deepseek_v41_model.py",
+        "    call_after_init(target.DeepseekV4Model, keep_index_state_per_ubatch)\n",
+        "    pass\n",
+        V41_TEST,
+    ),
+    "candidate blocks get no copies (DSv41)": (
+        "patches/deepseek_v41_model.py",
+        "        buffers.append(model.candidate_block_buffer)\n",
+        "        pass\n",
+        V41_TEST,
+    ),
+    "buffers always resolve to microbatch 0's (DSv41)": (
+        "ubatch_buffers.py",
+        "    return buffer if entry is None else entry[1][ubatch_id - 1]\n",
+        "    return buffer\n",
+        V41_TEST,
+    ),
+    "attention layers read vLLM's buffers (DSv41)": (
+        "patches/deepseek_v41_attention.py",
+        "    per_ubatch_buffers(target.DeepseekV4Attention, "
+        '"topk_indices_buffer", "candidate_block_buffer")\n',
+        "    pass\n",
+        V41_TEST,
+    ),
+    "indexer op writes vLLM's top-k buffer (DSv41)": (
+        "patches/deepseek_v41_attention.py",
+        "    indexer.attn_cls = per_ubatch_op(indexer.attn_cls)\n",
+        "    pass\n",
+        V41_TEST,
+    ),
+    "indexer op reads vLLM's candidate blocks (DSv41)": (
+        "patches/deepseek_v41_attention.py",
+        'OP_BUFFERS = ("topk_indices_buffer", "candidate_blocks")\n',
+        'OP_BUFFERS = ("topk_indices_buffer",)\n',
+        V41_TEST,
+    ),
 }
 
 
@@ -138,7 +176,7 @@ def copy_package(root: Path) -> Path:
     return copy
 
 
-@pytest.mark.parametrize("test", [CORE_TEST, HYV4_TEST, ROCM_TEST, COMPILED_TEST])
+@pytest.mark.parametrize("test", [CORE_TEST, HYV4_TEST, ROCM_TEST, COMPILED_TEST, V41_TEST])
 def test_core_test_passes_on_unmutated_copy(test, tmp_path):
     copy_package(tmp_path)
     result = run_test(tmp_path, test)
