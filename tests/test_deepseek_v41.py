@@ -296,3 +296,30 @@ def test_deepseek_v41_isolation_checker_counts_stock_cross_reads(fake_gpu, monke
         ("V4.1 layer 0", "V4.1 layer 2", "V4.1 candidate blocks"): 1,
         ("V4.1 layer 2", "V4.1 layer 3", "V4.1 top-k"): 1,
     }
+
+
+def test_deepseek_v41_memory_formula_is_what_the_model_allocates(fake_gpu, monkeypatch, tmp_path, capsys):
+    import json
+
+    from vllm_dsa_dbo import cli
+    from vllm_dsa_dbo.patches.deepseek_v41_model import bytes_per_extra_ubatch, copied_buffers
+    from vllm_dsa_dbo.ubatch_buffers import ubatch_copies
+
+    model = build_v41_model(monkeypatch, fake_gpu, enable_dbo=True)
+    copies = [c for b in copied_buffers(model) for c in ubatch_copies(b)]
+    allocated = sum(c.numel() * c.element_size() for c in copies)
+    assert allocated == bytes_per_extra_ubatch(HF_CONFIG, MAX_NUM_BATCHED_TOKENS)
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"architectures": ["DeepseekV41ForCausalLM"], **HF_CONFIG}))
+    args = ["memory", "--config", str(config), "--max-num-batched-tokens", "32"]
+    assert cli.main([*args, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["reusing_layers"] == [1, 3] and report["candidate_readers"] == [2]
+    assert report["bytes_per_extra_ubatch"] == allocated
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert f"extra bytes per GPU per extra microbatch: {allocated:,}" in out
+    assert "candidate-block buffer 32 x 4 x 4 = 512" in out
+    assert cli.main([*args, "--num-ubatches", "1"]) == 0
+    assert "extra memory: 0 bytes (no DBO)" in capsys.readouterr().out

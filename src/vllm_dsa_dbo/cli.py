@@ -132,6 +132,8 @@ def memory(args: argparse.Namespace) -> int:
     from vllm_dsa_dbo.ubatch_topk import ubatch_topk_bytes_per_extra_ubatch
 
     source, config = load_config(args)
+    if "index_source_layer_ids" in config:
+        return memory_v41(args, source, config)
     leaders = leader_mask(config)
     followed = groups_with_followers(leaders)
     max_decode_rows = min(
@@ -178,6 +180,58 @@ def memory(args: argparse.Namespace) -> int:
     print(f"  logical top-k buffer   {args.max_num_batched_tokens} x {k} x 4 = {args.max_num_batched_tokens * k * 4:,}")
     print(f"  physical top-k rows    {followed} x {rows} x {k} x 4 = {followed * rows * k * 4:,}")
     print(f"  valid counts           {followed} x {rows} x 4 = {followed * rows * 4:,}")
+    print(
+        f"microbatches: {args.num_ubatches}, so {extra_ubatches} extra: "
+        f"{report['bytes_total']:,} bytes ({report['bytes_total'] / 2**20:.1f} MiB) per GPU, "
+        "taken from KV-cache memory"
+    )
+    return 0
+
+
+def memory_v41(args: argparse.Namespace, source: str, config: dict) -> int:
+    """`memory` for a DeepSeek-V4.1 config: its top-k and candidate-block copies."""
+    from vllm_dsa_dbo.patches.deepseek_v41_model import bytes_per_extra_ubatch, config_hand_offs
+
+    reusing, candidate_readers = config_hand_offs(config)
+    extra_ubatches = args.num_ubatches - 1
+    per_ubatch = bytes_per_extra_ubatch(config, args.max_num_batched_tokens)
+    report = {
+        "model": source,
+        "architecture": (config.get("architectures") or ["?"])[0],
+        "layers": config["num_hidden_layers"],
+        "index_sources": sorted(config["index_source_layer_ids"]),
+        "reusing_layers": reusing,
+        "candidate_source": config.get("candidate_source_layer_id", -1),
+        "candidate_readers": candidate_readers,
+        "index_topk": config["index_topk"],
+        "candidate_topk_blocks": config.get("candidate_topk_blocks", 0),
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "num_ubatches": args.num_ubatches,
+        "bytes_per_extra_ubatch": per_ubatch,
+        "bytes_total": per_ubatch * extra_ubatches,
+    }
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return 0
+    print(f"model: {source} ({report['architecture']}, {report['layers']} layers, CUDA path)")
+    print(f"index sources: {' '.join(map(str, report['index_sources']))}")
+    print(f"layers reusing an index source's top-k: {' '.join(map(str, reusing)) or 'none'}")
+    print(
+        f"indexers reading layer {report['candidate_source']}'s candidate blocks: "
+        f"{' '.join(map(str, candidate_readers)) or 'none'}"
+    )
+    if extra_ubatches == 0 or per_ubatch == 0:
+        reason = "no DBO" if extra_ubatches == 0 else "no layer reads another's top-k or candidates"
+        print(f"extra memory: 0 bytes ({reason})")
+        return 0
+    tokens = args.max_num_batched_tokens
+    print(f"extra bytes per GPU per extra microbatch: {per_ubatch:,} ({per_ubatch / 2**20:.1f} MiB)")
+    if reusing:
+        k = config["index_topk"]
+        print(f"  top-k buffer           {tokens} x {k} x 4 = {tokens * k * 4:,}")
+    if candidate_readers:
+        c = config["candidate_topk_blocks"]
+        print(f"  candidate-block buffer {tokens} x {c} x 4 = {tokens * c * 4:,}")
     print(
         f"microbatches: {args.num_ubatches}, so {extra_ubatches} extra: "
         f"{report['bytes_total']:,} bytes ({report['bytes_total'] / 2**20:.1f} MiB) per GPU, "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from types import ModuleType
 from typing import Any
 
@@ -104,3 +105,32 @@ def describe(model: torch.nn.Module) -> str | None:
         f"microbatch: {len(ubatch_copies(buffers[0])) + 1} microbatches, {len(buffers)} "
         f"handed-off buffers, {allocated:,} bytes ({allocated / 2**20:.1f} MiB) allocated"
     )
+
+
+def config_hand_offs(config: Mapping[str, Any]) -> tuple[list[int], list[int]]:
+    """From a V4.1 HF config, as DeepseekV4Attention.__init__ decides: the
+    layers that reuse an index source's top-k, and the indexers that read the
+    candidate source's blocks."""
+    ratios = config.get("compress_ratios") or []
+    sources = set(config.get("index_source_layer_ids") or ())
+    candidate_source = config.get("candidate_source_layer_id", -1)
+    has_candidates = candidate_source >= 0 and config.get("candidate_topk_blocks", 0) > 0
+    reusing, candidate_readers = [], []
+    for layer in range(config["num_hidden_layers"]):
+        if layer in sources:
+            if has_candidates and candidate_source < layer:
+                candidate_readers.append(layer)
+        elif layer < len(ratios) and ratios[layer] > 0:
+            reusing.append(layer)
+    return reusing, candidate_readers
+
+
+def bytes_per_extra_ubatch(config: Mapping[str, Any], max_num_batched_tokens: int) -> int:
+    """Extra bytes per GPU per extra microbatch, as keep_index_state_per_ubatch
+    allocates: `max_num_batched_tokens × (index_topk + candidate_topk_blocks) × 4`,
+    each term only when some layer reads it from another."""
+    reusing, candidate_readers = config_hand_offs(config)
+    columns = (config["index_topk"] if reusing else 0) + (
+        config["candidate_topk_blocks"] if candidate_readers else 0
+    )
+    return 4 * max_num_batched_tokens * columns
