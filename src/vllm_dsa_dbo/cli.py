@@ -128,6 +128,24 @@ def load_config(args: argparse.Namespace) -> tuple[str, dict]:
     return str(path), config
 
 
+def sizes(args: argparse.Namespace, per_ubatch: int) -> dict:
+    """The scheduler settings and byte counts every memory report carries."""
+    return {
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "num_ubatches": args.num_ubatches,
+        "bytes_per_extra_ubatch": per_ubatch,
+        "bytes_total": per_ubatch * (args.num_ubatches - 1),
+    }
+
+
+def print_total(args: argparse.Namespace, report: dict) -> None:
+    print(
+        f"microbatches: {args.num_ubatches}, so {args.num_ubatches - 1} extra: "
+        f"{report['bytes_total']:,} bytes ({report['bytes_total'] / 2**20:.1f} MiB) per GPU, "
+        "taken from KV-cache memory"
+    )
+
+
 def memory(args: argparse.Namespace) -> int:
     from vllm_dsa_dbo.ubatch_topk import ubatch_topk_bytes_per_extra_ubatch
 
@@ -154,11 +172,8 @@ def memory(args: argparse.Namespace) -> int:
         "followers": sum(not lead for lead in leaders),
         "groups_with_followers": followed,
         "index_topk": config["index_topk"],
-        "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_decode_rows": max_decode_rows,
-        "num_ubatches": args.num_ubatches,
-        "bytes_per_extra_ubatch": per_ubatch,
-        "bytes_total": per_ubatch * extra_ubatches,
+        **sizes(args, per_ubatch),
     }
     if args.json:
         print(json.dumps(report, indent=1))
@@ -180,11 +195,7 @@ def memory(args: argparse.Namespace) -> int:
     print(f"  logical top-k buffer   {args.max_num_batched_tokens} x {k} x 4 = {args.max_num_batched_tokens * k * 4:,}")
     print(f"  physical top-k rows    {followed} x {rows} x {k} x 4 = {followed * rows * k * 4:,}")
     print(f"  valid counts           {followed} x {rows} x 4 = {followed * rows * 4:,}")
-    print(
-        f"microbatches: {args.num_ubatches}, so {extra_ubatches} extra: "
-        f"{report['bytes_total']:,} bytes ({report['bytes_total'] / 2**20:.1f} MiB) per GPU, "
-        "taken from KV-cache memory"
-    )
+    print_total(args, report)
     return 0
 
 
@@ -205,10 +216,7 @@ def memory_v41(args: argparse.Namespace, source: str, config: dict) -> int:
         "candidate_readers": candidate_readers,
         "index_topk": config["index_topk"],
         "candidate_topk_blocks": config.get("candidate_topk_blocks", 0),
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "num_ubatches": args.num_ubatches,
-        "bytes_per_extra_ubatch": per_ubatch,
-        "bytes_total": per_ubatch * extra_ubatches,
+        **sizes(args, per_ubatch),
     }
     if args.json:
         print(json.dumps(report, indent=1))
@@ -232,11 +240,7 @@ def memory_v41(args: argparse.Namespace, source: str, config: dict) -> int:
     if candidate_readers:
         c = config["candidate_topk_blocks"]
         print(f"  candidate-block buffer {tokens} x {c} x 4 = {tokens * c * 4:,}")
-    print(
-        f"microbatches: {args.num_ubatches}, so {extra_ubatches} extra: "
-        f"{report['bytes_total']:,} bytes ({report['bytes_total'] / 2**20:.1f} MiB) per GPU, "
-        "taken from KV-cache memory"
-    )
+    print_total(args, report)
     return 0
 
 
