@@ -1,5 +1,5 @@
-"""The core test (and the HYV4, ROCm DSA, compiled DSA and DeepSeek-V4.1 tests for their patches) fails when any part of
-the fix is removed from the source.
+"""The core test (and the HYV4, ROCm DSA, compiled DSA, sparse MLA backend and DeepSeek-V4.1
+tests for their patches) fails when any part of the fix is removed from the source.
 
 Each mutation edits a copy of the package and runs its test against it
 in a fresh interpreter, as a reviewer would check it by hand.
@@ -26,6 +26,12 @@ ROCM_TEST = "tests/test_rocm_dsa.py::test_rocm_dsa_followers_read_their_own_lead
 COMPILED_TEST = "tests/test_deepseek_v2.py::test_compiled_dsa_followers_read_their_own_leaders_topk"
 V41_TEST = "tests/test_deepseek_v41.py::test_deepseek_v41_reusing_layers_read_their_own_ubatch_state"
 TRACED_TEST = "tests/test_deepseek_v2.py::test_traced_code_reads_microbatch_0s_group_state"
+BACKENDS = "tests/test_sparse_mla_backends.py"
+BACKEND_TEST = f"{BACKENDS}::test_followers_read_their_own_leaders_topk"
+FA3_TEST = f"{BACKEND_TEST}[FLASH_ATTN_MLA_SPARSE-auto-decode-16h]"
+FLASHMLA_FP8_TEST = f"{BACKEND_TEST}[FLASHMLA_SPARSE-fp8_ds_mla-mixed-16h]"
+SM90_TEST = f"{BACKEND_TEST}[FLASHINFER_MLA_SPARSE_SM90-auto-mixed-16h]"
+XPU_TEST = f"{BACKENDS}::test_xpu_followers_share_one_buffer_and_are_refused"
 
 MUTATIONS = {
     "index group always returns microbatch 0's state": (
@@ -155,6 +161,30 @@ MUTATIONS = {
         'OP_BUFFERS = ("topk_indices_buffer",)\n',
         V41_TEST,
     ),
+    "index group always returns microbatch 0's state (FLASH_ATTN_MLA_SPARSE)": (
+        "ubatch_topk.py",
+        "            if ubatch_id and group.ubatch_topk_states:\n",
+        "            if False:\n",
+        FA3_TEST,
+    ),
+    "leader's writers not wired to the impl's buffer (FLASHMLA_SPARSE fp8)": (
+        "patches/deepseek_v32_attention.py",
+        "    target.DeepseekV32Attention.topk_indices_buffer = property(_get, _set)\n",
+        "    pass\n",
+        FLASHMLA_FP8_TEST,
+    ),
+    "impl not wired to the per-microbatch logical buffers (FLASHINFER_MLA_SPARSE_SM90)": (
+        "patches/sparse_mla_attention.py",
+        '    return resolve_logical_topk(getattr(self, "index_group", None), buffer)\n',
+        "    return buffer\n",
+        SM90_TEST,
+    ),
+    "followers without an index group loaded under DBO (XPU_MLA_SPARSE)": (
+        "patches/base_loader.py",
+        "        ungrouped := [m for m in model.modules() if reads_topk_without_index_group(m)]\n",
+        "        ungrouped := []\n",
+        XPU_TEST,
+    ),
 }
 
 
@@ -176,7 +206,11 @@ def copy_package(root: Path) -> Path:
     return copy
 
 
-@pytest.mark.parametrize("test", [CORE_TEST, HYV4_TEST, ROCM_TEST, COMPILED_TEST, V41_TEST])
+@pytest.mark.parametrize(
+    "test",
+    [CORE_TEST, HYV4_TEST, ROCM_TEST, COMPILED_TEST, FA3_TEST, XPU_TEST, V41_TEST],
+    ids=str,
+)
 def test_core_test_passes_on_unmutated_copy(test, tmp_path):
     copy_package(tmp_path)
     result = run_test(tmp_path, test)

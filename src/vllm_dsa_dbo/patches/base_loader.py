@@ -29,15 +29,16 @@ PATCH = Patch(
         "Wraps the loader's initialize_model: after a model is built, each worker "
         "refuses, under DBO, a model whose followers would read shared top-k "
         "state (leaders not wired to the per-microbatch buffers, followers in "
-        "private groups nothing wired, or DeepSeek-V4.1 buffers without "
-        "per-microbatch copies / MiniMax-M3 ROCm cross-layer index buffers), else logs one INFO line with the microbatch "
-        "count, the index groups with followers and the bytes allocated, and "
-        "nothing when nothing was allocated."
+        "private groups nothing wired, followers of a sparse MLA backend without "
+        "index groups (XPU_MLA_SPARSE), DeepSeek-V4.1 buffers without per-microbatch "
+        "copies, or MiniMax-M3 ROCm cross-layer index buffers), else logs one INFO "
+        "line with the microbatch count, the index groups with followers, the bytes "
+        "allocated and the sparse MLA backend, and nothing when nothing was allocated."
     ),
     upstream=(
         "none for the log line; the refusals stand in for fixes PR #60734 does "
-        "not make (the deepseek_v2 path on ROCm, HYV4 on ROCm) and, on ROCm, for "
-        "PR #56476 (DeepSeek-V4.1)"
+        "not make (the deepseek_v2 path on ROCm, HYV4 on ROCm, XPU_MLA_SPARSE) "
+        "and, on ROCm, for PR #56476 (DeepSeek-V4.1)"
     ),
     remove_when="with the other patches (the vLLM release that merges PR #60734)",
 )
@@ -58,8 +59,44 @@ def hands_topk_outside_index_groups(module: Any) -> bool:
     )
 
 
+def reads_topk_without_index_group(module: Any) -> bool:
+    """A follower's sparse MLA impl that reads the model-wide logical top-k with
+    no index group to resolve it per microbatch (XPU_MLA_SPARSE builds none)."""
+    from vllm.model_executor.layers.attention.sparse_mla_attention import (
+        SharedTopkIndicesBuffer,
+    )
+
+    impl = getattr(module, "impl", None)
+    return (
+        isinstance(impl, SharedTopkIndicesBuffer)
+        and getattr(impl, "index_group", None) is None
+        and impl.topk_indices_buffer is not None
+        # MLAAttention keeps its layer's indexer: None on a follower.
+        and getattr(module, "indexer", False) is None
+    )
+
+
+def sparse_mla_backend(module: Any) -> str:
+    """vLLM's name for the backend of `module`'s impl, as `--attention-backend` takes it."""
+    backend = getattr(module, "attn_backend", None)
+    return type(module.impl).__name__ if backend is None else backend.get_name()
+
+
 def check_wired(model: Any, num_ubatches: int = 1) -> None:
     """Refuse DBO for a model whose leaders write the shared top-k elsewhere."""
+    if num_ubatches > 1 and (
+        ungrouped := [m for m in model.modules() if reads_topk_without_index_group(m)]
+    ):
+        raise ValueError(
+            f"vllm-dsa-dbo: {type(model).__name__} shares top-k between layers, but its "
+            f"sparse MLA backend {sparse_mla_backend(ungrouped[0])} keeps no index "
+            "groups: every follower layer reads the one model-wide top-k buffer in "
+            "every microbatch, so with dual batch overlap it would read the other "
+            "microbatch's top-k. Drop --enable-dbo (and --ubatch-size), or on CUDA "
+            "leave --attention-backend unset or pick FLASH_ATTN_MLA_SPARSE, "
+            "FLASHMLA_SPARSE or FLASHINFER_MLA_SPARSE_SM90 (Hopper), "
+            "FLASHINFER_MLA_SPARSE or FLASH_ATTN_MLA_SPARSE_FA4 (Blackwell)."
+        )
     if num_ubatches > 1 and any(hands_topk_outside_index_groups(m) for m in model.modules()):
         raise ValueError(
             f"vllm-dsa-dbo: {type(model).__name__} hands top-k (or candidate blocks) "
@@ -92,10 +129,16 @@ def describe(model: Any) -> str | None:
         return deepseek_v41_model.describe(model)
     followed = followed_groups(copied)
     allocated = ubatch_topk_bytes(copied)
+    copied_ids = {id(g) for g in copied}
+    backends = sorted({
+        sparse_mla_backend(m) for m in model.modules()
+        if id(getattr(getattr(m, "impl", None), "index_group", None)) in copied_ids
+    })
     return (
         f"vllm-dsa-dbo: {type(model).__name__} keeps shared top-k per DBO microbatch: "
         f"{len(copied[0].ubatch_logical_topk_indices) + 1} microbatches, {len(followed)} index "
-        f"groups with followers, {allocated:,} bytes ({allocated / 2**20:.1f} MiB) allocated"
+        f"groups with followers, {allocated:,} bytes ({allocated / 2**20:.1f} MiB) allocated; "
+        f"sparse MLA backend {', '.join(backends)}"
     )
 
 
