@@ -33,7 +33,9 @@ def minimax_m3_layer(layer_id: int, config: SimpleNamespace) -> nn.Module:
     return layer
 
 
-def deepseek_v41_layer(layer_id: int, index_sources: tuple[int, ...], candidate_source: int) -> nn.Module:
+def deepseek_v41_layer(
+    layer_id: int, index_sources: tuple[int, ...], candidate_source: int
+) -> nn.Module:
     """`DeepseekV4Attention`'s topology attributes for a compressed layer of a
     model nothing wired (the ROCm path): its buffers have no microbatch copies."""
     layer = nn.Module()

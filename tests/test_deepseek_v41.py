@@ -92,9 +92,9 @@ class DecoderLayer(nn.Module):
         attn.candidate_block_buffer = candidate_block_buffer
         attn.indexer = None
         if attn.is_index_source:
-            k_cache_prefix = f"model.layers.{max(s for s in config.kv_source_layer_ids if s <= layer_id)}"
+            kv_source = max(s for s in config.kv_source_layer_ids if s <= layer_id)
             k_cache = vllm_config.compilation_config.static_forward_context.get(
-                f"{k_cache_prefix}.attn.indexer.k_cache"
+                f"model.layers.{kv_source}.attn.indexer.k_cache"
             ) or DeepseekV4IndexerCache(
                 132, torch.uint8, f"{prefix}.attn.indexer.k_cache", vllm_config.cache_config
             )
@@ -298,7 +298,9 @@ def test_deepseek_v41_isolation_checker_counts_stock_cross_reads(fake_gpu, monke
     }
 
 
-def test_deepseek_v41_memory_formula_is_what_the_model_allocates(fake_gpu, monkeypatch, tmp_path, capsys):
+def test_deepseek_v41_memory_formula_is_what_the_model_allocates(
+    fake_gpu, monkeypatch, tmp_path, capsys
+):
     import json
 
     from vllm_dsa_dbo import cli

@@ -24,7 +24,9 @@ CORE_TEST = (
 HYV4_TEST = "tests/test_hy_v4.py::test_hy_v4_followers_read_their_own_leaders_topk"
 ROCM_TEST = "tests/test_rocm_dsa.py::test_rocm_dsa_followers_read_their_own_leaders_topk"
 COMPILED_TEST = "tests/test_deepseek_v2.py::test_compiled_dsa_followers_read_their_own_leaders_topk"
-V41_TEST = "tests/test_deepseek_v41.py::test_deepseek_v41_reusing_layers_read_their_own_ubatch_state"
+V41_TEST = (
+    "tests/test_deepseek_v41.py::test_deepseek_v41_reusing_layers_read_their_own_ubatch_state"
+)
 TRACED_TEST = "tests/test_deepseek_v2.py::test_traced_code_reads_microbatch_0s_group_state"
 BACKENDS = "tests/test_sparse_mla_backends.py"
 BACKEND_TEST = f"{BACKENDS}::test_followers_read_their_own_leaders_topk"

@@ -233,7 +233,8 @@ def memory_v41(args: argparse.Namespace, source: str, config: dict) -> int:
         print(f"extra memory: 0 bytes ({reason})")
         return 0
     tokens = args.max_num_batched_tokens
-    print(f"extra bytes per GPU per extra microbatch: {per_ubatch:,} ({per_ubatch / 2**20:.1f} MiB)")
+    mib = per_ubatch / 2**20
+    print(f"extra bytes per GPU per extra microbatch: {per_ubatch:,} ({mib:.1f} MiB)")
     if reusing:
         k = config["index_topk"]
         print(f"  top-k buffer           {tokens} x {k} x 4 = {tokens * k * 4:,}")

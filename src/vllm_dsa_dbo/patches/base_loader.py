@@ -104,7 +104,8 @@ def check_wired(model: Any, num_ubatches: int = 1) -> None:
             "(DeepSeek-V4.1 index_source_layer_ids / candidate_source_layer_id on "
             "ROCm, vllm/models/deepseek_v41/amd; MiniMax-M3 use_index_cache on ROCm), "
             "which the plugin does not keep per microbatch (it does for DeepSeek-V4.1 "
-            "on CUDA, vllm/models/deepseek_v41/nvidia). With dual batch overlap those layers would read the "
+            "on CUDA, vllm/models/deepseek_v41/nvidia). With dual batch overlap "
+            "those layers would read the "
             "other microbatch's selection. Drop --enable-dbo (and --ubatch-size) "
             "for this model."
         )
