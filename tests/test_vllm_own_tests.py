@@ -21,7 +21,7 @@ def test_vllm_own_tests_pass_with_the_plugin_as_stock():
         root = vllm_sdist.extract_tests(vllm_sdist.fetch(), vllm_sdist.CACHE / "src")
     except vllm_sdist.SdistUnavailable as e:
         pytest.skip(f"vLLM's own tests not run: {e}")
-    runs = vllm_sdist.compare(root, VLLM_TESTS)
+    runs = vllm_sdist.compare(root, VLLM_TESTS, workers=2)
     (stock_summary, stock), (plugin_summary, plugin) = runs["stock"], runs["plugin"]
     assert plugin and " passed" in plugin_summary, plugin_summary
     assert "failed" not in plugin_summary and "error" not in plugin_summary, plugin_summary

@@ -8,7 +8,8 @@ checked against the sha256 the index gives, and cached.
     python tests/vllm_sdist.py run PYTEST_ARGS  # run vLLM's tests stock and with the plugin
 
 `run` takes the sdist from $VLLM_DSA_DBO_SDIST, else the cache (fetching it),
-prints both pytest summaries and exits 1 if any test's outcome differs.
+runs stock, then with the plugin, prints both pytest summaries and exits 1 if
+any test's outcome differs.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -29,7 +32,8 @@ VERSION = "0.33.0"
 SDIST = f"vllm-{VERSION}.tar.gz"
 SDIST_ENV = "VLLM_DSA_DBO_SDIST"
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "vllm-dsa-dbo"
-SIMPLE_JSON = "application/vnd.pypi.simple.v1+json"
+# PEP 691's JSON, else the HTML page (PEP 503) with #sha256= fragments.
+ACCEPT = "application/vnd.pypi.simple.v1+json, text/html;q=0.1"
 
 
 class SdistUnavailable(Exception):
@@ -51,13 +55,19 @@ def index_url() -> str:
 
 def sdist_entry(index: str) -> tuple[str, str]:
     """(url, sha256) of the sdist, as the index's simple API lists it."""
-    request = urllib.request.Request(f"{index}/vllm/", headers={"Accept": SIMPLE_JSON})
+    page_url = f"{index}/vllm/"
+    request = urllib.request.Request(page_url, headers={"Accept": ACCEPT})
     with urllib.request.urlopen(request, timeout=60) as response:
-        page = json.load(response)
-    for entry in page["files"]:
-        if entry["filename"] == SDIST:
-            return urllib.request.urljoin(f"{index}/vllm/", entry["url"]), entry["hashes"]["sha256"]
-    raise SdistUnavailable(f"{index} lists no {SDIST}")
+        kind, body = response.headers.get_content_type(), response.read().decode()
+    if kind.endswith("json"):
+        entries = [(f["url"], f["hashes"].get("sha256")) for f in json.loads(body)["files"]
+                   if f["filename"] == SDIST]
+    else:
+        entries = re.findall(rf'href="([^"#]*/{re.escape(SDIST)})#sha256=([0-9a-f]+)"', body)
+    if not entries or not entries[0][1]:
+        raise SdistUnavailable(f"{index} lists no {SDIST} with a sha256")
+    url, digest = entries[0]
+    return urllib.request.urljoin(page_url, url), digest
 
 
 def sha256(path: Path) -> str:
@@ -83,7 +93,8 @@ def fetch(cache: Path = CACHE) -> Path:
         url, expected = sdist_entry(index)
         cache.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(".part")
-        urllib.request.urlretrieve(url, partial)
+        with urllib.request.urlopen(url, timeout=60) as response, partial.open("wb") as out:
+            shutil.copyfileobj(response, out)
     except (OSError, ValueError, KeyError) as e:
         raise SdistUnavailable(f"cannot fetch {SDIST} from {index}: {e}") from None
     if sha256(partial) != expected:
@@ -96,10 +107,14 @@ def fetch(cache: Path = CACHE) -> Path:
 def extract_tests(sdist: Path, dest: Path) -> Path:
     """vLLM's `tests/` tree from `sdist`, under `dest`; returns its parent."""
     root = dest / f"vllm-{VERSION}"
-    if not (root / "tests").is_dir():
+    if not root.is_dir():
+        partial = dest / f"{root.name}.part"
+        shutil.rmtree(partial, ignore_errors=True)
         with tarfile.open(sdist) as tar:
             members = [m for m in tar.getmembers() if m.name.startswith(f"{root.name}/tests/")]
-            tar.extractall(dest, members=members, filter="data")
+            tar.extractall(partial, members=members, filter="data")
+        (partial / root.name).rename(root)
+        partial.rmdir()
     return root
 
 
@@ -141,9 +156,9 @@ def run(root: Path, args: list[str], mode: str) -> tuple[str, dict[str, str]]:
     return f"{mode}: {lines[-1]}", outcomes
 
 
-def compare(root: Path, args: list[str]) -> dict[str, tuple[str, dict[str, str]]]:
-    """The stock and the plugin run, side by side (each is one process)."""
-    with ThreadPoolExecutor(2) as pool:
+def compare(root: Path, args: list[str], workers: int) -> dict[str, tuple[str, dict[str, str]]]:
+    """The stock and the plugin run, `workers` at a time (a GPU takes one)."""
+    with ThreadPoolExecutor(workers) as pool:
         runs = {mode: pool.submit(run, root, args, mode) for mode in RUNNERS}
         return {mode: future.result() for mode, future in runs.items()}
 
@@ -156,7 +171,7 @@ def main(argv: list[str]) -> int:
         print(__doc__, file=sys.stderr)
         return 2
     root = extract_tests(fetch(), CACHE / "src")
-    runs = compare(root, argv[1:])
+    runs = compare(root, argv[1:], workers=1)
     for summary, _ in runs.values():
         print(summary)
     same = runs["stock"][1] == runs["plugin"][1] and runs["stock"][1]
