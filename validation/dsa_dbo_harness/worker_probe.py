@@ -42,11 +42,13 @@ def snapshot(worker) -> dict:
 
 def sparse_mla_backends(model) -> dict[str, int]:
     """Layers per (attention backend, impl class) among the sparse MLA layers."""
+    from vllm_dsa_dbo.patches.base_loader import sparse_mla_backend
+
     found: dict[str, int] = {}
     for module in model.modules():
         backend = getattr(module, "attn_backend", None)
         if backend is None or "SPARSE" not in backend.get_name() or not hasattr(module, "impl"):
             continue
-        key = f"{backend.get_name()}/{type(module.impl).__name__}"
+        key = f"{sparse_mla_backend(module)}/{type(module.impl).__name__}"
         found[key] = found.get(key, 0) + 1
     return found
