@@ -111,11 +111,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.phase:
         print("RESULT " + json.dumps(measure_phase(args.phase)))
         return 0
+    return run_phases(__file__, args.json)
+
+
+def run_phases(script: str, json_path: str | None, extra: tuple[str, ...] = ()) -> int:
+    """Run `script --phase` stock (VLLM_DSA_DBO_DISABLE=1), then fixed, each in
+    its own interpreter with `extra` arguments; print their RESULT lines as one
+    record, saved to `json_path`."""
     results = {}
     for phase, disable in (("stock", "1"), ("fixed", "")):
         env = {**os.environ, "VLLM_DSA_DBO_DISABLE": disable}
         out = subprocess.run(
-            [sys.executable, __file__, "--phase", phase], env=env, capture_output=True, text=True
+            [sys.executable, script, "--phase", phase, *extra],
+            env=env, capture_output=True, text=True,
         )
         line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
         if out.returncode != 0 or line is None:
@@ -133,8 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         **results,
     }
     print(json.dumps(record, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
+    if json_path:
+        with open(json_path, "w") as f:
             json.dump(record, f, indent=1)
     return 0
 
