@@ -20,7 +20,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import traceback
 import types
 from concurrent.futures import Future
 from pathlib import Path
@@ -81,24 +80,32 @@ def _main(args: list[str], cwd: str, pythonpath: list[str]) -> int:
             exec(compile(target, "<string>", "exec"), main.__dict__)
     except SystemExit as e:
         return _exit_code(e.code)
-    except BaseException:
-        traceback.print_exc()
+    except BaseException as e:
+        sys.excepthook(type(e), e, e.__traceback__.tb_next)  # from the run's code on
         return 1
     return 0
 
 
-def _child(request: dict) -> None:
+def _redirect(fd: int, path: str, flags: int) -> None:
+    opened = os.open(path, flags)
+    os.dup2(opened, fd)
+    os.close(opened)
+
+
+def _child(request: dict, out: int) -> None:
+    os.close(out)
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    _redirect(0, os.devnull, os.O_RDONLY)
     sys.stdin = open(os.devnull)  # the server's buffered stdin may hold later requests
     for fd, name in ((1, "stdout"), (2, "stderr")):
-        os.dup2(os.open(request[name], os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+        _redirect(fd, request[name], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     rc = 1
     try:
         pythonpath = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
         rc = _main(request["args"], request["cwd"], pythonpath)
+        threading._shutdown()  # as the interpreter exits: non-daemon threads, then atexit
         atexit._run_exitfuncs()
     finally:
         sys.stdout.flush()
@@ -111,7 +118,7 @@ def _monitor(request: dict, out: int) -> None:
     try:
         pid = os.fork()
         if pid == 0:
-            _child(request)
+            _child(request, out)
         _send(out, {"id": request["id"], "pid": pid})
         _, status = os.waitpid(pid, 0)
         _send(out, {"id": request["id"], "rc": os.waitstatus_to_exitcode(status)})
@@ -130,7 +137,7 @@ def serve() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     out = os.dup(1)
-    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+    _redirect(1, os.devnull, os.O_WRONLY)
     _send(out, {"ready": True})
     monitors = set()
     for line in sys.stdin:
