@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch.nn as nn
 
+import forkserver
 from vllm_dsa_dbo.demo import SharedTopkStack, attention_module
 from vllm_dsa_dbo.layout import leader_mask
 from vllm_dsa_dbo.ubatch_topk import ubatch_topk_bytes
@@ -18,13 +19,7 @@ from vllm_dsa_dbo.ubatch_topk import ubatch_topk_bytes
 
 def cli(*args: str, **env: str) -> subprocess.CompletedProcess:
     environ = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
-    return subprocess.run(
-        [sys.executable, "-m", "vllm_dsa_dbo.cli", *args],
-        env={**environ, **env},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    return forkserver.python(["-m", "vllm_dsa_dbo.cli", *args], {**environ, **env})
 
 
 GLM = '"architectures": ["GlmMoeDsaForCausalLM"]'

@@ -5,20 +5,15 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 
 import pytest
+
+import forkserver
 
 
 def demo(phase: str, **env: str) -> subprocess.CompletedProcess:
     environ = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
-    return subprocess.run(
-        [sys.executable, "-m", "vllm_dsa_dbo.demo", "--phase", phase],
-        env={**environ, **env},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    return forkserver.python(["-m", "vllm_dsa_dbo.demo", "--phase", phase], {**environ, **env})
 
 
 def test_audit_on_stock_vllm_reports_exactly_microbatch0_followers_after_a_yield():

@@ -2,8 +2,9 @@
 tests for their patches, and the loader, guard and live-check tests for theirs) fails when
 any part of the fix is removed from the source; so does each bad-input test when its check is.
 
-Each mutation edits a copy of the package and runs its test against it
-in a fresh interpreter, as a reviewer would check it by hand (two at a time).
+Each mutation edits a copy of the package and runs its test against it as a
+fresh `python -m pytest` would (forked from an interpreter that imported torch
+and vLLM but not the package: tests/forkserver.py), one mutation per test.
 """
 
 from __future__ import annotations
@@ -11,12 +12,11 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
+import forkserver
 import vllm_dsa_dbo
 
 REPO = Path(__file__).resolve().parents[1]
@@ -372,14 +372,8 @@ MUTATIONS = {
 
 def run_test(package_root: Path, test: str = CORE_TEST) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(package_root)}
-    return subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    return forkserver.python(["-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", test],
+                             env, cwd=REPO)
 
 
 def copy_package(root: Path) -> Path:
@@ -412,22 +406,9 @@ def run_mutated(name: str, root: Path) -> subprocess.CompletedProcess | None:
     return run_test(root, test)
 
 
-@pytest.fixture(scope="module")
-def mutated_runs(request, tmp_path_factory) -> dict[str, subprocess.CompletedProcess | None]:
-    """Every selected mutation's run, two at a time: each is one interpreter."""
-    names = [
-        item.callspec.params["name"]
-        for item in request.session.items
-        if getattr(item, "originalname", None) == "test_core_test_fails_under_mutation"
-    ]
-    with ThreadPoolExecutor(2) as pool:
-        runs = pool.map(lambda name: run_mutated(name, tmp_path_factory.mktemp("mutant")), names)
-        return dict(zip(names, runs))
-
-
 @pytest.mark.parametrize("name", MUTATIONS)
-def test_core_test_fails_under_mutation(name, mutated_runs):
-    result = mutated_runs[name]
+def test_core_test_fails_under_mutation(name, tmp_path):
+    result = run_mutated(name, tmp_path)
     assert result is not None, f"mutation site for {name!r} moved"
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
     assert "AssertionError" in result.stdout or "DID NOT RAISE" in result.stdout

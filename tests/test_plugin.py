@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 
+import forkserver
 from vllm_dsa_dbo import is_supported_vllm
 from vllm_dsa_dbo.patches import PATCH_MODULES, patch_modules
 
@@ -18,13 +18,7 @@ from vllm_dsa_dbo.patches import PATCH_MODULES, patch_modules
 def run_python(*parts: str, **env: str) -> subprocess.CompletedProcess:
     code = "".join(textwrap.dedent(part) for part in parts)
     environ = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
-    return subprocess.run(
-        [sys.executable, "-c", code],
-        env={**environ, **env},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return forkserver.python(["-c", code], {**environ, **env}, timeout=300)
 
 
 LOAD = """
