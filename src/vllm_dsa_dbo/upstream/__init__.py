@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import ast
 import difflib
-import importlib
-import inspect
+import importlib.util
 import os
 import shutil
 import sys
@@ -112,8 +111,9 @@ class Source:
 
 
 def module_source(name: str) -> Source:
-    module = importlib.import_module(name)
-    return Source(inspect.getsourcefile(module), inspect.getsource(module))
+    """A plugin module's source, read without importing it (which would import vLLM)."""
+    path = importlib.util.find_spec(name).origin
+    return Source(path, Path(path).read_text())
 
 
 def top_level(source: Source) -> dict[str, ast.stmt]:

@@ -27,7 +27,10 @@ from vllm.model_executor.layers.attention.sparse_mla_attention import (
 )
 from vllm.models.deepseek_v32.attention import DeepseekV32Attention
 from vllm.utils import torch_utils
-from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroupBuilder
+from vllm.v1.attention.backends.mla.index_group import (
+    HiSparseMLAIndexGroup,
+    SparseMLAIndexGroupBuilder,
+)
 from vllm.v1.attention.backends.mla.sparse_utils import (
     triton_convert_req_index_to_global_index,
 )
@@ -265,3 +268,12 @@ def test_dbo_ubatch_rejects_no_microbatches():
     buffer = torch.empty((MAX_NUM_TOKENS, INDEX_TOPK), dtype=torch.int32)
     with pytest.raises(ValueError, match="num_ubatches must be >= 1"):
         SparseMLAIndexGroupBuilder(buffer, MAX_DECODE_ROWS, num_ubatches=0)
+
+
+def test_dbo_ubatch_hisparse_followers_are_refused():
+    """HiSparse stages top-k with no microbatch dimension: no followers under DBO."""
+    buffer = torch.empty((MAX_NUM_TOKENS, INDEX_TOPK), dtype=torch.int32)
+    builder = SparseMLAIndexGroupBuilder(buffer, MAX_DECODE_ROWS, num_ubatches=2)
+    builder.current_group = HiSparseMLAIndexGroup.__new__(HiSparseMLAIndexGroup)
+    with pytest.raises(ValueError, match="HiSparse cannot run with dual batch overlap"):
+        builder.register_layer(False)
