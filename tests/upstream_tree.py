@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import vllm_sdist
@@ -99,26 +100,31 @@ def prepare(dest: Path) -> tuple[Path, Path]:
     return unpatched, patched
 
 
+def timed_run(name: str, root: Path, args: list[str]) -> tuple[str, dict[str, str]]:
+    start = time.monotonic()
+    summary, outcomes = run(root, args)
+    print(f"{name}: {summary} ({time.monotonic() - start:.0f} s)")
+    return summary, outcomes
+
+
 def main(argv: list[str]) -> int:
     dest = Path(os.environ.get("VLLM_DSA_DBO_TREES", vllm_sdist.CACHE / "trees"))
     shutil.rmtree(dest, ignore_errors=True)
     unpatched, patched = prepare(dest)
-    print(f"trees under {dest}; patched imports {imports_from(patched)}")
-    runs = {name: run(root, argv) for name, root in (("unpatched", unpatched), ("patched", patched))}
-    for name, (summary, _) in runs.items():
-        print(f"{name}: {summary}")
-    (_, before), (_, after) = runs.values()
+    shutil.copyfile(patched / NEW_TEST, unpatched / NEW_TEST)
+    print(f"trees under {dest}; the patched tree imports {imports_from(patched)}")
+    trees = {"unpatched": unpatched, "patched": patched}
+    (_, before), (_, after) = (timed_run(n, root, argv) for n, root in trees.items())
     same = before == after and bool(before)
     print("same outcomes, test by test" if same else "OUTCOMES DIFFER (or nothing ran)")
     for test in sorted(set(before) | set(after)):
         if before.get(test) != after.get(test):
             print(f"  {test}: unpatched {before.get(test)}, patched {after.get(test)}")
-    ubatch = {name: run(root, [NEW_TEST, "-k", "dbo_ubatch"]) for name, root in
-              (("unpatched", unpatched), ("patched", patched))}
-    for name, (summary, _) in ubatch.items():
-        print(f"-k dbo_ubatch, {name}: {summary}")
-    new_passes = ubatch["patched"][1] and set(ubatch["patched"][1].values()) == {"passed"}
-    return 0 if same and new_passes else 1
+    new = {n: timed_run(f"-k dbo_ubatch, {n}", root, [NEW_TEST, "-k", "dbo_ubatch"])[1]
+           for n, root in trees.items()}
+    fixed = bool(new["patched"]) and set(new["patched"].values()) == {"passed"}
+    print("dbo_ubatch: passes patched" if fixed else "dbo_ubatch: DOES NOT PASS patched")
+    return 0 if same and fixed else 1
 
 
 if __name__ == "__main__":

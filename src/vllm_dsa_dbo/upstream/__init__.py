@@ -27,6 +27,7 @@ SPARSE_MLA = "vllm/model_executor/layers/attention/sparse_mla_attention.py"
 DSV32_ATTENTION = "vllm/models/deepseek_v32/attention.py"
 DSV32_MODEL = "vllm/models/deepseek_v32/nvidia/model.py"
 NEW_TEST = "tests/v1/attention/test_sparse_mla_dbo_ubatch.py"
+INDEX_GROUP_MODULE = "vllm.v1.attention.backends.mla.index_group"
 
 # Where the inserted code comes from, by symbol name: one source of truth.
 CORE = "vllm_dsa_dbo.ubatch_topk"
@@ -237,7 +238,8 @@ def needed_imports(target: Source, core: Source, nodes: list[ast.stmt]) -> list[
     have = imported(target) | top_level(target)
     core_imports = imported(core)
     used = set().union(*(used_names(n) for n in nodes))
-    return [import_line(core_imports[n], n) for n in sorted(used) if n in core_imports and n not in have]
+    names = [n for n in sorted(used) if n in core_imports and n not in have]
+    return [import_line(core_imports[n], n) for n in names]
 
 
 def taken_code(target: Source, wanted: tuple[str, ...]) -> tuple[str, list[str]]:
@@ -298,10 +300,13 @@ def add_keyword_parameter(source: Source, fn: ast.FunctionDef, place: str, param
         raise source.refuse(place, "takes *args, **kwargs or positional-only parameters")
     positional = [ast.unparse(a) for a in args.args]
     defaults = [None] * (len(args.args) - len(args.defaults)) + list(args.defaults)
-    texts = [p if d is None else f"{p} = {source.segment(d)}" for p, d in zip(positional, defaults)]
+    texts = [
+        p if d is None else f"{p} = {source.segment(d)}"
+        for p, d in zip(positional, defaults, strict=True)
+    ]
     keyword = [
         ast.unparse(a) if d is None else f"{ast.unparse(a)} = {source.segment(d)}"
-        for a, d in zip(args.kwonlyargs, args.kw_defaults)
+        for a, d in zip(args.kwonlyargs, args.kw_defaults, strict=True)
     ]
     texts += ["*", *keyword, parameter]
     indent = indent_of(source, fn) + "    "
@@ -348,21 +353,28 @@ def patch_index_group(source: Source) -> None:
     source.insert(source.line_end(fields[-1]), GROUP_ATTRIBUTES)
     source.insert(source.line_end(group), GROUP_FIELDS)
 
-    add_keyword_parameter(source, init, "SparseMLAIndexGroupBuilder.__init__", "num_ubatches: int = 1")
-    source.insert(source.line_end(init.body[-1]), textwrap.indent(BUILDER_INIT, "        "))
+    add_keyword_parameter(
+        source, init, "SparseMLAIndexGroupBuilder.__init__", "num_ubatches: int = 1"
+    )
+    end = init.body[-1]
+    source.insert(source.line_end(end), textwrap.indent(BUILDER_INIT, indent_of(source, end)))
 
     source.find("HiSparseMLAIndexGroup")  # the refusal names it
     params = [a.arg for a in register.args.args]
     if params[:2] != ["self", "is_index_producing_layer"]:
         raise source.refuse("SparseMLAIndexGroupBuilder.register_layer", f"takes {params}")
     first = body_start(source, register)
-    source.insert(source.offset(first.lineno, 0), hisparse_refusal(indent_of(source, first)))
+    refusal = hisparse_refusal(indent_of(source, first))
+    source.insert(source.offset(first.lineno, 0), refusal)
 
     last = register.body[-1]
-    if not (isinstance(last, ast.Return) and isinstance(last.value, ast.Tuple)
-            and len(last.value.elts) == 2 and all(isinstance(e, ast.Name) for e in last.value.elts)):
-        raise source.refuse("SparseMLAIndexGroupBuilder.register_layer", "does not end in `return group, index`")
-    group_name, index_name = (e.id for e in last.value.elts)
+    returned = last.value.elts if isinstance(getattr(last, "value", None), ast.Tuple) else []
+    if not (isinstance(last, ast.Return) and len(returned) == 2
+            and all(isinstance(e, ast.Name) for e in returned)):
+        raise source.refuse(
+            "SparseMLAIndexGroupBuilder.register_layer", "does not end in `return group, index`"
+        )
+    group_name, index_name = (e.id for e in returned)
     tail = BUILDER_REGISTER.format(group=group_name, index=index_name)
     source.insert(source.offset(last.lineno, 0), textwrap.indent(tail, indent_of(source, last)))
 
@@ -439,7 +451,8 @@ def patch_sparse_mla(source: Source) -> None:
         line_end = source.line_end(ret) - 1
         comment = source.text[source.end(ret) : line_end].strip()
         end = line_end if comment.startswith("#") else source.end(ret)
-        call = wrapped_call("return ", "resolve_logical_topk", args, indent_of(source, ret), comment)
+        indent = indent_of(source, ret)
+        call = wrapped_call("return ", "resolve_logical_topk", args, indent, comment)
         source.replace(source.start(ret), end, call)
     fields = [n for n in mixin.body if isinstance(n, ast.AnnAssign)]
     if not fields:
@@ -450,13 +463,14 @@ def patch_sparse_mla(source: Source) -> None:
         f"{indent}# The impl's group: its extra microbatches' logical buffers.\n"
         f"{indent}index_group: SparseMLAIndexGroup | None = None\n",
     )
-    add_imports(source, ["from vllm.v1.attention.backends.mla.index_group import resolve_logical_topk"])
+    add_imports(source, [f"from {INDEX_GROUP_MODULE} import resolve_logical_topk"])
 
 
 def patch_dsv32_attention(source: Source) -> None:
     attention = source.find("DeepseekV32Attention")
     place = "DeepseekV32Attention.topk_indices_buffer"
-    if any(isinstance(n, ast.FunctionDef) and n.name == "topk_indices_buffer" for n in attention.body):
+    defined = [n.name for n in attention.body if isinstance(n, ast.FunctionDef)]
+    if "topk_indices_buffer" in defined:
         raise source.refuse(place, "already a property: the tree carries the fix")
     init = source.find("DeepseekV32Attention.__init__")
     assigns = [
@@ -465,7 +479,8 @@ def patch_dsv32_attention(source: Source) -> None:
     ]
     if len(assigns) != 1:
         raise source.refuse(place, f"__init__ assigns it {len(assigns)} times, expected 1")
-    source.insert(source.offset(init.lineno, 0), leader_buffer_property(indent_of(source, init)))
+    indent = indent_of(source, init)
+    source.insert(source.offset(init.lineno, 0), leader_buffer_property(indent))
 
 
 def leader_buffer_property(indent: str) -> str:
@@ -484,7 +499,7 @@ def leader_buffer_property(indent: str) -> str:
     return (
         f"{indent}@property\n"
         f"{indent}def topk_indices_buffer(self) -> torch.Tensor | None:\n"
-        f'{indent}    """The impl\'s buffer: the leader\'s writers fill what its followers read."""\n'
+        f'{indent}    """The impl\'s buffer: the leader\'s writers fill what followers read."""\n'
         f"{body(get_fn)}\n"
         f"{indent}@topk_indices_buffer.setter\n"
         f"{indent}def topk_indices_buffer(self, {params[1]}: torch.Tensor | None) -> None:\n"
@@ -514,7 +529,8 @@ def patch_dsv32_model(source: Source) -> None:
         source.insert(after, f", {keyword}")
     else:
         at = after + 1 if trailing_comma else after
-        source.insert(at, ("" if trailing_comma else ",") + f"\n{indent_of(source, last)}{keyword},")
+        comma = "" if trailing_comma else ","
+        source.insert(at, f"{comma}\n{indent_of(source, last)}{keyword},")
     add_imports(source, ["from vllm.v1.worker.ubatch_utils import get_num_ubatches"])
 
 
@@ -548,7 +564,8 @@ def plan(root: Path) -> dict[str, tuple[str, str]]:
         try:
             ast.parse(patched)
         except SyntaxError as e:
-            raise PatchRefused(path, f"line {e.lineno}", f"the edit does not parse: {e.msg}") from None
+            why = f"the edit does not parse: {e.msg}"
+            raise PatchRefused(path, f"line {e.lineno}", why) from None
         changes[path] = (source.text, patched)
     if (root / NEW_TEST).exists():
         raise PatchRefused(NEW_TEST, "file", "already exists: the tree carries the fix")
