@@ -105,8 +105,13 @@ class Source:
         self.edits.append((at, at, text))
 
     def patched(self) -> str:
+        """The text with every edit; edits at one offset land in the order they were made."""
+        ordered = sorted(enumerate(self.edits), key=lambda e: (e[1][0], e[1][1], e[0]))
+        spans = [(start, end) for _, (start, end, _) in ordered]
+        if any(s < e for (_, e), (s, _) in zip(spans, spans[1:], strict=False)):
+            raise self.refuse("edits", "two edits overlap (a bug in upstream-patch)")
         text = self.text
-        for start, end, new in sorted(self.edits, key=lambda e: (e[0], e[1]), reverse=True):
+        for _, (start, end, new) in reversed(ordered):
             text = text[:start] + new + text[end:]
         return text
 
