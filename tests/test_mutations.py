@@ -52,7 +52,7 @@ AB_TWO_RUNS_TEST = "tests/test_ab.py::test_a_folder_with_two_runs_is_refused"
 
 MUTATIONS = {
     "index group always returns microbatch 0's state": (
-        "ubatch_topk.py",
+        "core.py",
         "            if ubatch_id and group.ubatch_topk_states:\n",
         "            if False:\n",
         CORE_TEST,
@@ -130,7 +130,7 @@ MUTATIONS = {
         COMPILED_TEST,
     ),
     "traced code looks the microbatch up (graph break under fullgraph)": (
-        "ubatch_topk.py",
+        "core.py",
         "        if _UBATCH_ID_OF_THREAD and not is_dynamo_compiling():\n",
         "        if _UBATCH_ID_OF_THREAD:\n",
         TRACED_TEST,
@@ -142,7 +142,7 @@ MUTATIONS = {
         COMPILED_TEST,
     ),
     "index group always returns microbatch 0's state (FLASH_ATTN_MLA_SPARSE)": (
-        "ubatch_topk.py",
+        "core.py",
         "            if ubatch_id and group.ubatch_topk_states:\n",
         "            if False:\n",
         FA3_TEST,
