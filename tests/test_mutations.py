@@ -61,7 +61,7 @@ UPSTREAM_DRY_RUN_TEST = f"{UPSTREAM}::test_diff_applies_with_git_and_dry_run_wri
 
 MUTATIONS = {
     "index group always returns microbatch 0's state": (
-        "ubatch_topk.py",
+        "core.py",
         "            if ubatch_id and group.ubatch_topk_states:\n",
         "            if False:\n",
         CORE_TEST,
@@ -139,7 +139,7 @@ MUTATIONS = {
         COMPILED_TEST,
     ),
     "traced code looks the microbatch up (graph break under fullgraph)": (
-        "ubatch_topk.py",
+        "core.py",
         "        if _UBATCH_ID_OF_THREAD and not is_dynamo_compiling():\n",
         "        if _UBATCH_ID_OF_THREAD:\n",
         TRACED_TEST,
@@ -151,7 +151,7 @@ MUTATIONS = {
         COMPILED_TEST,
     ),
     "index group always returns microbatch 0's state (FLASH_ATTN_MLA_SPARSE)": (
-        "ubatch_topk.py",
+        "core.py",
         "            if ubatch_id and group.ubatch_topk_states:\n",
         "            if False:\n",
         FA3_TEST,
