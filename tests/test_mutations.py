@@ -304,8 +304,8 @@ MUTATIONS = {
     ),
     "upstream patch gives followers no per-microbatch state": (
         "upstream/__init__.py",
-        "    add_follower_state(self, {group})\n",
-        "    pass\n",
+        'BUILDER_REGISTER = "add_layer_state(self, {group}, {index})\\n"\n',
+        'BUILDER_REGISTER = "pass\\n"\n',
         UPSTREAM_TEST,
     ),
     "upstream patch leaves the impl's buffer getter as vLLM's": (

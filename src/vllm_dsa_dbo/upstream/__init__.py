@@ -30,12 +30,12 @@ NEW_TEST = "tests/v1/attention/test_sparse_mla_dbo_ubatch.py"
 INDEX_GROUP_MODULE = "vllm.v1.attention.backends.mla.index_group"
 
 # Where the inserted code comes from, by symbol name: one source of truth.
-CORE = "vllm_dsa_dbo.ubatch_topk"
+CORE = "vllm_dsa_dbo.core"
 TAKEN = {
     # vLLM file: the core symbols it gets (with the core symbols they use)
     INDEX_GROUP: (
-        "UBATCH_TOPK_FIELDS", "UbatchTopkField", "topk_state", "add_follower_state",
-        "resolve_logical_topk",
+        "UBATCH_TOPK_FIELDS", "UbatchTopkField", "topk_state", "resolve_logical_topk",
+        "init_builder_state", "add_layer_state",
     ),
 }
 HISPARSE_REFUSAL = ("vllm_dsa_dbo.patches.index_group", "apply.register_layer")
@@ -386,11 +386,11 @@ def patch_index_group(source: Source) -> None:
 
 GROUP_ATTRIBUTES = '''
     # Extra microbatches' state: set by the builder for groups with followers.
-    ubatch_topk_states = ()
-    ubatch_logical_topk_indices = ()
+    num_ubatches: int = 1
+    ubatch_topk_states: tuple[UbatchTopkState, ...] = ()
+    ubatch_logical_topk: UbatchLogicalTopk | None = None
     # Set once the leader's writers take the logical buffer from the impl.
-    leader_writes_follow_impl = False
-    num_ubatches = 1
+    leader_writes_follow_impl: bool = False
 
     def _topk_state(self) -> SparseMLAIndexGroup | UbatchTopkState:
         """The state the calling DBO microbatch reads and writes."""
@@ -404,19 +404,8 @@ for _name in UBATCH_TOPK_FIELDS:
     setattr(SparseMLAIndexGroup, _name, UbatchTopkField(_name))
 '''
 
-BUILDER_INIT = '''if num_ubatches < 1:
-    raise ValueError(f"num_ubatches must be >= 1, got {num_ubatches}")
-self.num_ubatches = num_ubatches
-self.ubatch_logical_topk_indices: list[torch.Tensor] = []
-self.follower_groups: list[SparseMLAIndexGroup] = []
-'''
-
-BUILDER_REGISTER = '''if {index} == 0:
-    {group}.num_ubatches = self.num_ubatches
-    {group}.ubatch_logical_topk_indices = self.ubatch_logical_topk_indices
-elif {index} == 1 and self.num_ubatches > 1:
-    add_follower_state(self, {group})
-'''
+BUILDER_INIT = "init_builder_state(self, num_ubatches)\n"
+BUILDER_REGISTER = "add_layer_state(self, {group}, {index})\n"
 
 
 def hisparse_refusal(indent: str) -> str:

@@ -191,15 +191,21 @@ def _run_dbo(step, stream, num_ubatches: int = 2) -> None:
 
 def test_dbo_ubatch_followers_read_their_own_leaders_topk(dbo_env):
     _, stream = dbo_env
-    buffer = torch.full((MAX_NUM_TOKENS, INDEX_TOPK), -1, dtype=torch.int32, device=DEVICE)
+    buffer = torch.full(
+        (MAX_NUM_TOKENS, INDEX_TOPK), -1, dtype=torch.int32, device=DEVICE
+    )
     builder = SparseMLAIndexGroupBuilder(buffer, MAX_DECODE_ROWS, num_ubatches=2)
     impls = [_impl(builder, buffer, leads) for leads in LEADERS]
-    attns = {i: _leader_attention(impls[i], buffer) for i, leads in enumerate(LEADERS) if leads}
+    attns = {
+        i: _leader_attention(impls[i], buffer)
+        for i, leads in enumerate(LEADERS)
+        if leads
+    }
     group_a, group_b, group_c = (impl.index_group for impl in impls)
     assert group_c is group_b and group_a is not group_b
     assert len(group_a.ubatch_topk_states) == 0
     assert len(group_b.ubatch_topk_states) == 1
-    assert len(builder.ubatch_logical_topk_indices) == 1
+    assert len(builder.ubatch_logical_topk.buffers) == 1
 
     metadata = [_metadata(u) for u in range(2)]
     written = {(u, i): _logical_topk(u, i) for u in range(2) for i in attns}
@@ -232,7 +238,9 @@ def test_dbo_ubatch_followers_read_their_own_leaders_topk(dbo_env):
 
     for ubatch in range(2):
         # The follower's impl and its leader's writers resolve one buffer.
-        expected_buffer = buffer if ubatch == 0 else builder.ubatch_logical_topk_indices[0]
+        expected_buffer = (
+            buffer if ubatch == 0 else builder.ubatch_logical_topk.buffers[0]
+        )
         for key in [(ubatch, 1), (ubatch, 2), (ubatch, -2)]:
             assert seen_buffers[key] is expected_buffer, key
         for layer in range(3):
@@ -254,11 +262,13 @@ def test_dbo_ubatch_followers_read_their_own_leaders_topk(dbo_env):
 
 
 def test_dbo_ubatch_one_microbatch_allocates_nothing(dbo_env):
-    buffer = torch.full((MAX_NUM_TOKENS, INDEX_TOPK), -1, dtype=torch.int32, device=DEVICE)
+    buffer = torch.full(
+        (MAX_NUM_TOKENS, INDEX_TOPK), -1, dtype=torch.int32, device=DEVICE
+    )
     builder = SparseMLAIndexGroupBuilder(buffer, MAX_DECODE_ROWS)
     impls = [_impl(builder, buffer, leads) for leads in LEADERS]
     assert builder.num_ubatches == 1
-    assert builder.ubatch_logical_topk_indices == []
+    assert builder.ubatch_logical_topk.buffers == ()
     assert len(impls[2].index_group.ubatch_topk_states) == 0
     assert impls[2].index_group._topk_state() is impls[2].index_group
 
