@@ -32,7 +32,9 @@ def test_dbo_ubatch_followers_read_their_own_leaders_topk(fake_gpu):
 
     assert group_a.ubatch_topk_states == ()
     assert len(group_b.ubatch_topk_states) == 1
-    assert len(stack.builder.ubatch_logical_topk_indices) == 1
+    assert len(stack.builder.ubatch_logical_topk.buffers) == 1
+    assert group_a.ubatch_logical_topk is stack.builder.ubatch_logical_topk
+    assert group_b.ubatch_logical_topk is stack.builder.ubatch_logical_topk
     assert stack.builder.follower_groups == [group_b]
 
     reads = stack.run_step()
@@ -57,7 +59,7 @@ def test_dbo_ubatch_writers_and_readers_resolve_one_buffer(fake_gpu):
     for buffers in seen.values():
         assert all(b is buffers[0] for b in buffers)
     assert seen[0][0] is stack.buffer
-    assert seen[1][0] is stack.builder.ubatch_logical_topk_indices[0]
+    assert seen[1][0] is stack.builder.ubatch_logical_topk.buffers[0]
 
 
 def test_dbo_ubatch_one_microbatch_shows_the_bug(fake_gpu):
@@ -79,7 +81,7 @@ def test_dbo_ubatch_outside_microbatch_threads_resolves_ubatch0(fake_gpu):
 def test_dbo_ubatch_no_dbo_allocates_nothing(fake_gpu, num_ubatches):
     stack = SharedTopkStack(LEADERS, num_ubatches=num_ubatches)
     assert stack.builder.num_ubatches == 1
-    assert stack.builder.ubatch_logical_topk_indices == []
+    assert stack.builder.ubatch_logical_topk.buffers == ()
     assert stack.impls[1].index_group.ubatch_topk_states == ()
 
 

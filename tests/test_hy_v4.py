@@ -136,8 +136,8 @@ def test_hy_v4_followers_read_their_own_leaders_topk(fake_gpu, monkeypatch):
     assert [(r.layer, r.ubatch) for r in reads if not r.ok] == []
     assert len(reads) == 6 and len(stack.op_buffers) == 4
     check_wired(model)
-    extra = groups[0].ubatch_logical_topk_indices
-    assert len(extra) == 1 and all(g.ubatch_logical_topk_indices is extra for g in groups)
+    extra = groups[0].ubatch_logical_topk
+    assert len(extra.buffers) == 1 and all(g.ubatch_logical_topk is extra for g in groups)
     assert "2 microbatches, 1 index groups with followers, 16,384 bytes" in describe(model)
 
 
@@ -146,7 +146,7 @@ def test_hy_v4_without_dbo_allocates_nothing(fake_gpu, monkeypatch):
 
     model = build_hyv4_model(monkeypatch, fake_gpu, enable_dbo=False)
     groups = [layer.self_attn.mla_attn.impl.index_group for layer in model.layers]
-    assert all(not g.ubatch_logical_topk_indices for g in groups)
+    assert all(not g.ubatch_logical_topk.buffers for g in groups)
     assert all(layer.self_attn.indexer.indexer_op.index_group is None
                for layer in model.layers if layer.self_attn.indexer is not None)
     check_wired(model)

@@ -78,7 +78,7 @@ def test_glm53_geometry_is_216_mib():
 def test_no_dbo_allocates_nothing(fake_gpu):
     builder = build(glm5_leaders(78, 4, 3), num_ubatches=1)
     assert builder.follower_groups == []
-    assert builder.ubatch_logical_topk_indices == []
+    assert builder.ubatch_logical_topk.buffers == ()
 
 
 def test_bad_num_ubatches_is_refused(fake_gpu):

@@ -54,10 +54,19 @@ MEMORY_V41_TEST = f"{MEMORY_ARCH_TEST}[deepseek-v41]"
 MEMORY_V41_ROCM_TEST = f"{MEMORY_ARCH_TEST}[deepseek-v41-rocm]"
 AB_QUESTIONS_TEST = "tests/test_ab.py::test_runs_on_other_questions_are_refused"
 AB_TWO_RUNS_TEST = "tests/test_ab.py::test_a_folder_with_two_runs_is_refused"
+UPSTREAM = "tests/test_upstream_patch.py"
+UPSTREAM_TEST = f"{UPSTREAM}::test_dbo_ubatch_passes_in_the_patched_tree"
+UPSTREAM_CODE_TEST = (
+    f"{UPSTREAM}::test_inserted_code_is_the_core_and_the_model_passes_the_microbatch_count"
+)
+UPSTREAM_REFUSAL_TEST = (
+    f"{UPSTREAM}::test_tree_missing_a_place_is_refused_and_nothing_written[builder method renamed]"
+)
+UPSTREAM_DRY_RUN_TEST = f"{UPSTREAM}::test_diff_applies_with_git_and_dry_run_writes_nothing"
 
 MUTATIONS = {
     "index group always returns microbatch 0's state": (
-        "ubatch_topk.py",
+        "core.py",
         "            if ubatch_id and group.ubatch_topk_states:\n",
         "            if False:\n",
         CORE_TEST,
@@ -135,7 +144,7 @@ MUTATIONS = {
         COMPILED_TEST,
     ),
     "traced code looks the microbatch up (graph break under fullgraph)": (
-        "ubatch_topk.py",
+        "core.py",
         "        if _UBATCH_ID_OF_THREAD and not is_dynamo_compiling():\n",
         "        if _UBATCH_ID_OF_THREAD:\n",
         TRACED_TEST,
@@ -184,7 +193,7 @@ MUTATIONS = {
         V41_TEST,
     ),
     "index group always returns microbatch 0's state (FLASH_ATTN_MLA_SPARSE)": (
-        "ubatch_topk.py",
+        "core.py",
         "            if ubatch_id and group.ubatch_topk_states:\n",
         "            if False:\n",
         FA3_TEST,
@@ -367,6 +376,50 @@ MUTATIONS = {
         "    if False:\n",
         AB_TWO_RUNS_TEST,
     ),
+    "upstream patch gives followers no per-microbatch state": (
+        "upstream/__init__.py",
+        'BUILDER_REGISTER = "add_layer_state(self, {group}, {index})\\n"\n',
+        'BUILDER_REGISTER = "pass\\n"\n',
+        UPSTREAM_TEST,
+    ),
+    "upstream patch leaves the impl's buffer getter as vLLM's": (
+        "upstream/__init__.py",
+        "        source.replace(source.start(ret), end, call)\n",
+        "        pass\n",
+        UPSTREAM_TEST,
+    ),
+    "upstream patch leaves the leader's writers on microbatch 0's buffer": (
+        "upstream/__init__.py",
+        "    source.insert(source.offset(init.lineno, 0), leader_buffer_property(indent))\n",
+        "    pass\n",
+        UPSTREAM_TEST,
+    ),
+    "upstream patch drops the HiSparse refusal": (
+        "upstream/__init__.py",
+        "    refusal = hisparse_refusal(indent_of(source, first))\n",
+        '    refusal = ""\n',
+        UPSTREAM_TEST,
+    ),
+    "upstream patch builds the model with one microbatch": (
+        "upstream/__init__.py",
+        '    keyword = "num_ubatches=get_num_ubatches(vllm_config.parallel_config)"\n',
+        '    keyword = "num_ubatches=1"\n',
+        UPSTREAM_CODE_TEST,
+    ),
+    "upstream-patch exits 0 on a tree it refuses": (
+        "cli.py",
+        '        print(f"error: cannot patch {src}: {e}; nothing written", file=sys.stderr)\n'
+        "        return 1\n",
+        '        print(f"error: cannot patch {src}: {e}; nothing written", file=sys.stderr)\n'
+        "        return 0\n",
+        UPSTREAM_REFUSAL_TEST,
+    ),
+    "upstream-patch --dry-run writes": (
+        "cli.py",
+        "    if args.dry_run:\n        return 0\n",
+        "    if False:\n        return 0\n",
+        UPSTREAM_DRY_RUN_TEST,
+    ),
 }
 
 
@@ -386,7 +439,8 @@ def copy_package(root: Path) -> Path:
     "test",
     [CORE_TEST, HYV4_TEST, ROCM_TEST, COMPILED_TEST, FA3_TEST, XPU_TEST, V41_TEST,
      DEMO_RAISE_TEST, REGISTER_ENV_TEST, STATUS_ENV_TEST, f"{BAD_CONFIG}[not-dsa]",
-     MEMORY_HYV4_TEST, MEMORY_V41_TEST, AB_QUESTIONS_TEST, AB_TWO_RUNS_TEST],
+     MEMORY_HYV4_TEST, MEMORY_V41_TEST, AB_QUESTIONS_TEST, AB_TWO_RUNS_TEST, UPSTREAM_TEST,
+     UPSTREAM_CODE_TEST, UPSTREAM_REFUSAL_TEST, UPSTREAM_DRY_RUN_TEST],
     ids=str,
 )
 def test_core_test_passes_on_unmutated_copy(test, tmp_path):

@@ -222,9 +222,9 @@ def test_rocm_dsa_followers_read_their_own_leaders_topk(fake_gpu, monkeypatch):
     assert wrong == []
     assert len(reads) == 8 and len(step.op_buffers) == 4
     # Microbatch 1's leaders wrote the extra buffer, microbatch 0's vLLM's own.
-    extra = groups[0].ubatch_logical_topk_indices
-    assert len(extra) == 1 and all(g.ubatch_logical_topk_indices is extra for g in groups)
-    assert sorted(b is extra[0] for b in step.op_buffers) == [False, False, True, True]
+    extra = groups[0].ubatch_logical_topk
+    assert len(extra.buffers) == 1 and all(g.ubatch_logical_topk is extra for g in groups)
+    assert sorted(b is extra.buffers[0] for b in step.op_buffers) == [False, False, True, True]
     check_wired(model)
     assert "2 microbatches, 2 index groups with followers, 16,384 bytes" in describe(model)
 
@@ -234,7 +234,7 @@ def test_rocm_dsa_without_dbo_allocates_nothing(fake_gpu, monkeypatch):
 
     model = build_rocm_dsa_model(monkeypatch, fake_gpu, enable_dbo=False)
     attns = [layer.self_attn for layer in model.layers]
-    assert all(not a.impl.index_group.ubatch_logical_topk_indices for a in attns)
+    assert all(not a.impl.index_group.ubatch_logical_topk.buffers for a in attns)
     assert all(a.indexer_op.index_group is None for a in attns if a.indexer_op is not None)
     check_wired(model)
     assert describe(model) is None

@@ -131,9 +131,12 @@ RUNNERS = {
 }
 
 
-def run(root: Path, args: list[str], mode: str) -> tuple[str, dict[str, str]]:
+def run(
+    root: Path, args: list[str], mode: str, env_extra: dict[str, str] | None = None
+) -> tuple[str, dict[str, str]]:
     """One pytest run of vLLM's tests under `root`: its summary line and each test's outcome."""
     env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS" and "DSA_DBO" not in k}
+    env.update(env_extra or {})
     if mode == "stock":
         env["VLLM_PLUGINS"] = ""
     with tempfile.TemporaryDirectory() as tmp:

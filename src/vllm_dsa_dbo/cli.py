@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 from importlib.metadata import PackageNotFoundError, entry_points, version
@@ -376,6 +377,33 @@ def ab(args: argparse.Namespace) -> int:
     return 0
 
 
+# upstream-patch -------------------------------------------------------------
+
+
+def upstream_patch(args: argparse.Namespace) -> int:
+    from vllm_dsa_dbo import upstream
+
+    src = Path(args.src)
+    if not src.is_dir():
+        raise UsageError(f"{src} is not a directory: give the root of a vLLM source tree")
+    out = Path(args.out) if args.out else None
+    if out is not None and out.exists():
+        raise UsageError(f"--out {out} exists: name a new folder for the patched copy")
+    try:
+        changes = upstream.plan(src)
+    except upstream.PatchRefused as e:
+        print(f"error: cannot patch {src}: {e}; nothing written", file=sys.stderr)
+        return 1
+    sys.stdout.writelines(upstream.unified_diff(changes))
+    if args.dry_run:
+        return 0
+    if out is not None:
+        shutil.copytree(src, out, symlinks=True)
+    upstream.write(out or src, changes)
+    print(f"patched {len(changes)} files in {out or src}", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vllm-dsa-dbo",
@@ -438,6 +466,16 @@ def build_parser() -> argparse.ArgumentParser:
                       help="requests in flight per endpoint")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.set_defaults(func=ab)
+
+    p = sub.add_parser(
+        "upstream-patch",
+        help="edit a vLLM 0.33.0 source tree so that it carries the fix natively; "
+        "prints the change as a git diff",
+    )
+    p.add_argument("src", metavar="SRC", help="root of a vLLM source tree (git checkout or sdist)")
+    p.add_argument("--out", metavar="DIR", help="write the patched tree to DIR, a new copy of SRC")
+    p.add_argument("--dry-run", action="store_true", help="print the diff, write nothing")
+    p.set_defaults(func=upstream_patch)
 
     p = sub.add_parser(
         "demo",

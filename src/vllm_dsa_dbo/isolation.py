@@ -69,7 +69,7 @@ class IsolationChecker:
     def _stamp(self, layer: str) -> Stamp:
         from vllm.forward_context import get_forward_context, is_forward_context_available
 
-        from vllm_dsa_dbo.ubatch_topk import current_ubatch_id
+        from vllm_dsa_dbo.core import current_ubatch_id
 
         step = None
         if is_forward_context_available():

@@ -1,125 +1,17 @@
-"""Per-DBO-microbatch copies of the DSA shared top-k hand-off.
-
-A leader layer writes the logical top-k and its group converts it to physical
-top-k once; follower layers read both later. Under dual batch overlap the two
-microbatches interleave between a leader and its followers, so every
-microbatch after the first needs its own copy of that state. This module holds
-the new types and lookups only; it patches nothing and is written to drop into
-`vllm/v1/attention/backends/mla/index_group.py` as is.
-"""
+"""Indexer-op wiring, model walks and byte accounting around `core`."""
 
 from __future__ import annotations
 
 import functools
 import inspect
-import threading
 from collections.abc import Callable
-from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
-from torch.compiler import is_dynamo_compiling
 
 from vllm.utils.torch_utils import _resolve_layer_name
-from vllm.v1.worker import ubatching
 
-# DBO registers each microbatch thread here (and only mutates the dict); the
-# index_group patch checks that at registration, and stays out if it moved.
-_UBATCH_ID_OF_THREAD: dict[int, int] = getattr(ubatching, "_THREAD_ID_TO_CONTEXT", {})
-
-
-def current_ubatch_id() -> int:
-    """DBO microbatch of the calling thread; 0 for any other thread.
-
-    `dbo_current_ubatch_id()` raises KeyError for a thread that is not a
-    microbatch thread while microbatches run; a state lookup must not.
-    """
-    if not _UBATCH_ID_OF_THREAD:
-        return 0
-    return _UBATCH_ID_OF_THREAD.get(threading.get_ident(), 0)
-
-
-@dataclass
-class UbatchTopkState:
-    """One extra microbatch's copy of a follower-bearing group's top-k state."""
-
-    physical_topk_indices: torch.Tensor
-    valid_topk_counts: torch.Tensor
-    logical_topk_ready: torch.Event
-    physical_topk_ready: torch.Event
-
-
-UBATCH_TOPK_FIELDS = tuple(f.name for f in fields(UbatchTopkState))
-
-
-class UbatchTopkField:
-    """Group attribute that resolves to the calling microbatch's copy.
-
-    Microbatch 0 keeps the value the group was built with, so runs without DBO
-    and groups without followers see exactly the stock attribute. Every read
-    of the state, in vLLM's `_convert_once` and `set_logical_topk_ready` or
-    anywhere else, resolves here: nothing depends on where DBO yields.
-    Code that torch.compile traces (a compiled model records the logical-ready
-    event from its forward) sees microbatch 0's value: a traced graph cannot
-    choose per microbatch, and Dynamo cannot trace the thread lookup.
-    """
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        # Microbatch 0's value lives under its own name: Dynamo reads
-        # `group.__dict__[name]` back through this descriptor.
-        self.slot = f"_{name}_ubatch0"
-
-    def __get__(self, group: Any, owner: type | None = None) -> Any:
-        if group is None:
-            return self
-        # `topk_state`, inline: read several times per sparse MLA call.
-        if _UBATCH_ID_OF_THREAD and not is_dynamo_compiling():
-            ubatch_id = _UBATCH_ID_OF_THREAD.get(threading.get_ident(), 0)
-            if ubatch_id and group.ubatch_topk_states:
-                return getattr(group.ubatch_topk_states[ubatch_id - 1], self.name)
-        return group.__dict__[self.slot]
-
-    def __set__(self, group: Any, value: Any) -> None:
-        state = group._topk_state()
-        if state is group:
-            group.__dict__[self.slot] = value
-        else:
-            setattr(state, self.name, value)
-
-
-def topk_state(group: Any) -> Any:
-    """The group itself for microbatch 0, else that microbatch's extra copy.
-
-    Groups without followers have no extra copies: they write and read their
-    top-k within one layer, with no yield in between.
-    """
-    ubatch_id = current_ubatch_id()
-    if ubatch_id == 0 or not group.ubatch_topk_states:
-        return group
-    return group.ubatch_topk_states[ubatch_id - 1]
-
-
-def resolve_logical_topk(
-    group: Any, buffer: torch.Tensor | None
-) -> torch.Tensor | None:
-    """The calling microbatch's logical top-k buffer in place of `buffer`.
-
-    Only the builder's own logical buffer has microbatch copies; a buffer
-    re-pointed elsewhere (the MTP draft's) resolves to itself. So does the
-    buffer of a group whose leader writes the top-k without asking the impl
-    (its writers would fill microbatch 0's buffer for every microbatch).
-    """
-    if not _UBATCH_ID_OF_THREAD:
-        return buffer
-    ubatch_id = _UBATCH_ID_OF_THREAD.get(threading.get_ident(), 0)
-    if ubatch_id == 0 or group is None:
-        return buffer
-    extra = group.ubatch_logical_topk_indices
-    if not extra or not group.leader_writes_follow_impl or buffer is not group.logical_topk_indices:
-        return buffer
-    return extra[ubatch_id - 1]
-
+from vllm_dsa_dbo.core import _UBATCH_ID_OF_THREAD, UbatchLogicalTopk, resolve_logical_topk
 
 # Leaders whose logical top-k `torch.ops.vllm.sparse_attn_indexer` writes from
 # a torch.compile'd model, by the indexer's k-cache layer name: all the op body
@@ -187,36 +79,6 @@ def share_logical_topk_ready(group: Any) -> None:
         state.logical_topk_ready = group.logical_topk_ready
 
 
-def new_ubatch_topk_state(group: Any) -> UbatchTopkState:
-    """Buffers shaped like microbatch 0's; events like the group's own."""
-    return UbatchTopkState(
-        physical_topk_indices=torch.empty_like(group.physical_topk_indices),
-        valid_topk_counts=torch.empty_like(group.valid_topk_counts),
-        logical_topk_ready=torch.Event(),
-        physical_topk_ready=torch.Event(),
-    )
-
-
-def add_follower_state(builder: Any, group: Any) -> None:
-    """Allocate the extra microbatches' state when `group` gets a follower.
-
-    Once per builder this also allocates the extra logical buffers, into the
-    list every group of the builder already holds by reference.
-    """
-    num_extra = builder.num_ubatches - 1
-    group.ubatch_topk_states = [new_ubatch_topk_state(group) for _ in range(num_extra)]
-    builder.follower_groups.append(group)
-    if not builder.ubatch_logical_topk_indices:
-        builder.ubatch_logical_topk_indices.extend(
-            new_ubatch_logical_topk(builder.logical_topk_indices, num_extra)
-        )
-
-
-def new_ubatch_logical_topk(buffer: torch.Tensor, num_extra: int) -> list[torch.Tensor]:
-    """One logical buffer shaped like microbatch 0's per extra microbatch."""
-    return [torch.empty_like(buffer) for _ in range(num_extra)]
-
-
 def per_ubatch_indexer_op(indexer_op_cls: type) -> type:
     """`indexer_op_cls` writing the calling microbatch's logical top-k.
 
@@ -259,9 +121,10 @@ def share_ubatch_logical_topk(groups: list[Any], leaders: list[tuple[Any, Any]])
         return
     if not all(hasattr(op, "index_group") for op, _ in leaders):
         return
-    extra = new_ubatch_logical_topk(buffer, groups[0].num_ubatches - 1)
+    extra = UbatchLogicalTopk(buffer, groups[0].num_ubatches)
+    extra.allocate()
     for group in groups:
-        group.ubatch_logical_topk_indices = extra
+        group.ubatch_logical_topk = extra
         group.leader_writes_follow_impl = True
     for op, group in leaders:
         op.index_group = group
@@ -285,7 +148,13 @@ def reads_another_layers_topk(group: Any) -> bool:
 def followed_groups(groups: list[Any]) -> list[Any]:
     """The groups that read another layer's top-k and have microbatch copies
     (a group with followers, or a single-layer follower group of HYV4 / ROCm DSA)."""
-    return [g for g in groups if g.ubatch_logical_topk_indices and reads_another_layers_topk(g)]
+    return [g for g in groups if has_logical_copies(g) and reads_another_layers_topk(g)]
+
+
+def has_logical_copies(group: Any) -> bool:
+    """Whether `group` holds extra microbatches' logical buffers."""
+    extra = getattr(group, "ubatch_logical_topk", None)
+    return extra is not None and bool(extra.buffers)
 
 
 def shares_topk_across_ubatches(group: Any) -> bool:
@@ -300,14 +169,14 @@ def shares_topk_across_ubatches(group: Any) -> bool:
     """
     if group.num_ubatches < 2 or not reads_another_layers_topk(group):
         return False
-    copied = group.ubatch_topk_states if group.num_layers > 1 else group.ubatch_logical_topk_indices
+    copied = group.ubatch_topk_states if group.num_layers > 1 else has_logical_copies(group)
     return not (copied and group.leader_writes_follow_impl)
 
 
 def ubatch_topk_bytes(groups: list[Any]) -> int:
     """Bytes allocated for extra microbatches across `groups`."""
-    logical = {id(g.ubatch_logical_topk_indices): g.ubatch_logical_topk_indices for g in groups}
-    tensors = [t for extra in logical.values() for t in extra]
+    logical = {id(g.ubatch_logical_topk): g.ubatch_logical_topk for g in groups}
+    tensors = [t for extra in logical.values() if extra is not None for t in extra.buffers]
     for group in groups:
         for state in group.ubatch_topk_states:
             tensors += [state.physical_topk_indices, state.valid_topk_counts]
@@ -322,7 +191,7 @@ def ubatch_topk_bytes_per_extra_ubatch(
     groups_with_followers: int,
     logical_only: bool = False,
 ) -> int:
-    """Extra bytes per GPU per extra microbatch, as `add_follower_state` allocates.
+    """Extra bytes per GPU per extra microbatch, as `core.add_layer_state` allocates.
 
     One logical buffer `[max_num_batched_tokens, index_topk]` when any group
     has followers, plus per such group `max_decode_rows + 1` physical rows of

@@ -12,6 +12,7 @@ from typing import Any
 from vllm_dsa_dbo.patches import Patch, deepseek_v41_model, replace_function
 from vllm_dsa_dbo.ubatch_topk import (
     followed_groups,
+    has_logical_copies,
     index_groups,
     reads_another_layers_topk,
     shares_topk_across_ubatches,
@@ -142,7 +143,7 @@ def left_shared(group: Any, num_ubatches: int) -> bool:
 
 def describe(model: Any) -> str | None:
     """The startup line for `model`, or None when the fix allocated nothing."""
-    copied = [g for g in index_groups(model) if getattr(g, "ubatch_logical_topk_indices", ())]
+    copied = [g for g in index_groups(model) if has_logical_copies(g)]
     if not copied:
         return deepseek_v41_model.describe(model)
     followed = followed_groups(copied)
@@ -154,7 +155,7 @@ def describe(model: Any) -> str | None:
     })
     return (
         f"vllm-dsa-dbo: {type(model).__name__} keeps shared top-k per DBO microbatch: "
-        f"{len(copied[0].ubatch_logical_topk_indices) + 1} microbatches, {len(followed)} index "
+        f"{len(copied[0].ubatch_logical_topk.buffers) + 1} microbatches, {len(followed)} index "
         f"groups with followers, {allocated:,} bytes ({allocated / 2**20:.1f} MiB) allocated; "
         f"sparse MLA backend {', '.join(backends)}"
     )

@@ -7,7 +7,7 @@ import threading
 from types import ModuleType
 from typing import Any
 
-from vllm_dsa_dbo import ubatch_topk
+from vllm_dsa_dbo import core
 from vllm_dsa_dbo.patches import Patch
 
 PATCH = Patch(
@@ -52,7 +52,7 @@ def thread_registry_mismatch() -> str | None:
     from vllm.v1.worker import ubatching
 
     registry = getattr(ubatching, "_THREAD_ID_TO_CONTEXT", None)
-    if registry is not ubatch_topk._UBATCH_ID_OF_THREAD or not isinstance(registry, dict):
+    if registry is not core._UBATCH_ID_OF_THREAD or not isinstance(registry, dict):
         return "vllm.v1.worker.ubatching._THREAD_ID_TO_CONTEXT is not the dict it was at import"
     if "_THREAD_ID_TO_CONTEXT" not in ubatching.UBatchContext.__enter__.__code__.co_names:
         return "UBatchContext.__enter__ no longer registers its thread in _THREAD_ID_TO_CONTEXT"
@@ -60,7 +60,7 @@ def thread_registry_mismatch() -> str | None:
         return None
     registry[threading.get_ident()] = 1
     try:
-        seen = ubatching.dbo_current_ubatch_id(), ubatch_topk.current_ubatch_id()
+        seen = ubatching.dbo_current_ubatch_id(), core.current_ubatch_id()
     finally:
         registry.pop(threading.get_ident(), None)
     if seen != (1, 1):
@@ -89,13 +89,13 @@ def apply(target: ModuleType) -> None:
     stock_register_layer = builder_cls.register_layer
 
     group_cls.ubatch_topk_states = ()
-    group_cls.ubatch_logical_topk_indices = ()
+    group_cls.ubatch_logical_topk = None
     # Set by a leader's attention module that takes its buffer from the impl.
     group_cls.leader_writes_follow_impl = False
     group_cls.num_ubatches = 1
-    group_cls._topk_state = ubatch_topk.topk_state
-    for name in ubatch_topk.UBATCH_TOPK_FIELDS:
-        setattr(group_cls, name, ubatch_topk.UbatchTopkField(name))
+    group_cls._topk_state = core.topk_state
+    for name in core.UBATCH_TOPK_FIELDS:
+        setattr(group_cls, name, core.UbatchTopkField(name))
 
     def __init__(
         self: Any,
@@ -105,13 +105,9 @@ def apply(target: ModuleType) -> None:
         num_ubatches: int | None = None,
     ) -> None:
         stock_init(self, logical_topk_indices, max_decode_rows)
-        self.num_ubatches = (
-            _default_num_ubatches() if num_ubatches is None else num_ubatches
+        core.init_builder_state(
+            self, _default_num_ubatches() if num_ubatches is None else num_ubatches
         )
-        if self.num_ubatches < 1:
-            raise ValueError(f"num_ubatches must be >= 1, got {self.num_ubatches}")
-        self.ubatch_logical_topk_indices = []
-        self.follower_groups = []
 
     def register_layer(
         self: Any, is_index_producing_layer: bool, vllm_config: Any = None, **kwargs: Any
@@ -135,11 +131,7 @@ def apply(target: ModuleType) -> None:
         group, layer_index = stock_register_layer(
             self, is_index_producing_layer, vllm_config, **kwargs
         )
-        if layer_index == 0:
-            group.num_ubatches = self.num_ubatches
-            group.ubatch_logical_topk_indices = self.ubatch_logical_topk_indices
-        elif layer_index == 1 and self.num_ubatches > 1:
-            ubatch_topk.add_follower_state(self, group)
+        core.add_layer_state(self, group, layer_index)
         return group, layer_index
 
     builder_cls.__init__ = __init__

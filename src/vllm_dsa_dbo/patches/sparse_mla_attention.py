@@ -6,7 +6,7 @@ from types import ModuleType
 from typing import Any
 
 from vllm_dsa_dbo.patches import Patch
-from vllm_dsa_dbo.ubatch_topk import _UBATCH_ID_OF_THREAD, resolve_logical_topk
+from vllm_dsa_dbo.core import _UBATCH_ID_OF_THREAD, resolve_logical_topk
 
 PATCH = Patch(
     target="vllm.model_executor.layers.attention.sparse_mla_attention",

@@ -1,0 +1,135 @@
+"""vLLM 0.33.0 source trees, unpatched and through `vllm-dsa-dbo upstream-patch`, that run.
+
+A tree is the sdist's `vllm/` and `tests/` (its top-level files too, without
+`vllm.egg-info`, so the installed vLLM's metadata stays the one found). The
+sdist carries vLLM's Python sources only; every file of the installed vLLM
+the sdist lacks (compiled extensions, vendored packages, generated modules)
+is linked into the tree's `vllm/`. Pytest runs in the tree's root through
+`python -c`, which puts that root first on sys.path (PYTHONPATH too, for
+subprocesses): `import vllm` then takes every Python file from the tree.
+
+    python tests/upstream_tree.py PYTEST_ARGS   # unpatched, patched: summaries, outcomes
+
+On a CPU, run it with TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES= (as the suite's
+conftest sets them), or the new test cannot run vLLM's Triton conversion.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import vllm_sdist
+
+NEW_TEST = "tests/v1/attention/test_sparse_mla_dbo_ubatch.py"
+
+
+def installed_vllm() -> Path:
+    """The installed vLLM's package folder, found without importing it."""
+    result = subprocess.run(
+        [sys.executable, "-c", "import importlib.util as u; print(u.find_spec('vllm').origin)"],
+        capture_output=True, text=True, check=True, cwd="/",
+    )
+    return Path(result.stdout.strip()).parent
+
+
+def extract_tree(sdist: Path, dest: Path) -> Path:
+    """The sdist's sources under `dest`, with the installed vLLM's other files linked in."""
+    root = dest / f"vllm-{vllm_sdist.VERSION}"
+    prefix = f"{root.name}/"
+    with tarfile.open(sdist) as tar:
+        members = [
+            m for m in tar.getmembers()
+            if m.name.startswith((f"{prefix}vllm/", f"{prefix}tests/"))
+            or (m.name.count("/") == 1 and m.isfile())
+        ]
+        tar.extractall(dest, members=members, filter="data")
+    link_installed(installed_vllm(), root / "vllm")
+    return root
+
+
+def link_installed(installed: Path, tree: Path) -> None:
+    """Link each file or folder of `installed` that `tree` lacks, at the same place."""
+    for entry in installed.iterdir():
+        if entry.name == "__pycache__":
+            continue
+        mirror = tree / entry.name
+        if not mirror.exists():
+            mirror.symlink_to(entry)
+        elif entry.is_dir() and not entry.is_symlink():
+            link_installed(entry, mirror)
+
+
+def patch_tree(root: Path) -> subprocess.CompletedProcess:
+    """`vllm-dsa-dbo upstream-patch root`, its output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "vllm_dsa_dbo.cli", "upstream-patch", str(root)],
+        capture_output=True, text=True,
+    )
+
+
+def imports_from(root: Path) -> str:
+    """Where `import vllm` resolves for a run in `root`."""
+    result = subprocess.run(
+        [sys.executable, "-c", "import vllm; print(vllm.__file__)"],
+        cwd=root, env=tree_env(root), capture_output=True, text=True, check=True,
+    )
+    return result.stdout.strip()
+
+
+def tree_env(root: Path) -> dict[str, str]:
+    path = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": f"{root}{os.pathsep + path if path else ''}"}
+
+
+def run(root: Path, args: list[str]) -> tuple[str, dict[str, str]]:
+    """vLLM's tests in `root`, with no plugin loaded: summary line and outcomes."""
+    return vllm_sdist.run(root, args, "stock", {"PYTHONPATH": tree_env(root)["PYTHONPATH"]})
+
+
+def prepare(dest: Path) -> tuple[Path, Path]:
+    """An unpatched and a patched tree under `dest`."""
+    sdist = vllm_sdist.fetch()
+    unpatched = extract_tree(sdist, dest / "unpatched")
+    patched = extract_tree(sdist, dest / "patched")
+    result = patch_tree(patched)
+    if result.returncode != 0:
+        raise RuntimeError(f"upstream-patch failed: {result.stderr}")
+    return unpatched, patched
+
+
+def timed_run(name: str, root: Path, args: list[str]) -> tuple[str, dict[str, str]]:
+    start = time.monotonic()
+    summary, outcomes = run(root, args)
+    # vllm_sdist labels its runs by plugin mode; both trees run without the plugin.
+    print(f"{name}: {summary.removeprefix('stock: ')} ({time.monotonic() - start:.0f} s)")
+    return summary, outcomes
+
+
+def main(argv: list[str]) -> int:
+    dest = Path(os.environ.get("VLLM_DSA_DBO_TREES", vllm_sdist.CACHE / "trees"))
+    shutil.rmtree(dest, ignore_errors=True)
+    unpatched, patched = prepare(dest)
+    shutil.copyfile(patched / NEW_TEST, unpatched / NEW_TEST)
+    print(f"trees under {dest}; the patched tree imports {imports_from(patched)}")
+    trees = {"unpatched": unpatched, "patched": patched}
+    (_, before), (_, after) = (timed_run(n, root, argv) for n, root in trees.items())
+    same = before == after and bool(before)
+    print("same outcomes, test by test" if same else "OUTCOMES DIFFER (or nothing ran)")
+    for test in sorted(set(before) | set(after)):
+        if before.get(test) != after.get(test):
+            print(f"  {test}: unpatched {before.get(test)}, patched {after.get(test)}")
+    new = {n: timed_run(f"-k dbo_ubatch, {n}", root, [NEW_TEST, "-k", "dbo_ubatch"])[1]
+           for n, root in trees.items()}
+    fixed = bool(new["patched"]) and set(new["patched"].values()) == {"passed"}
+    print("dbo_ubatch: passes patched" if fixed else "dbo_ubatch: DOES NOT PASS patched")
+    return 0 if same and fixed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
