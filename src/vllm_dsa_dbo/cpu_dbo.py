@@ -122,6 +122,7 @@ def run_dbo_step(
     `stream` is the shared compute/comm stream: a real CUDA stream on a GPU,
     the CPU stand-in by default.
     """
+    from vllm import forward_context
     from vllm.config import get_current_vllm_config
     from vllm.forward_context import create_forward_context
 
@@ -151,16 +152,22 @@ def run_dbo_step(
     threads = [
         threading.Thread(target=thread_main, args=(c,), daemon=True) for c in contexts
     ]
-    for t in threads:
-        t.start()
-    barrier.wait()
-    contexts[0].cpu_wait_event.set()
-    # A microbatch that raises leaves its peer waiting at its next yield, as
-    # in vLLM: report the error rather than wait for the peer.
-    deadline = time.monotonic() + 60
-    while (alive := [t for t in threads if t.is_alive()]) and not errors:
-        if time.monotonic() > deadline:
-            raise RuntimeError("a microbatch thread hung")
-        alive[0].join(0.01)
+    # Each context sets vLLM's one global forward context; the step's caller
+    # gets its own back, as vLLM's outer set_forward_context gives it.
+    outer = forward_context._forward_context
+    try:
+        for t in threads:
+            t.start()
+        barrier.wait()
+        contexts[0].cpu_wait_event.set()
+        # A microbatch that raises leaves its peer waiting at its next yield, as
+        # in vLLM: report the error rather than wait for the peer.
+        deadline = time.monotonic() + 60
+        while (alive := [t for t in threads if t.is_alive()]) and not errors:
+            if time.monotonic() > deadline:
+                raise RuntimeError("a microbatch thread hung")
+            alive[0].join(0.01)
+    finally:
+        forward_context._forward_context = outer
     if errors:
         raise errors[0]
