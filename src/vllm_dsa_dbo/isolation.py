@@ -12,7 +12,8 @@ Host-side bookkeeping only, at the three places the hand-off happens:
   valid counts and their ready event; at a follower it reads them;
 - a follower impl's `topk_indices_buffer` reads the logical buffer.
 Each write stamps the state object (the resolved buffer or event) with the
-microbatch and the step's forward context; each read compares. Python runs in
+microbatch and the step's forward context; each read inside a forward
+compares (outside one, no microbatch runs). Python runs in
 eager steps and during CUDA-graph capture, so both are checked; replays reuse
 what capture checked. A torch.compile'd model (the deepseek_v2 DSA path) runs
 the leader's `record_logical_topk_ready()` only while it is traced, so there
@@ -82,6 +83,10 @@ class IsolationChecker:
 
     def read(self, layer: str, kind: str, obj: Any) -> None:
         reader = self._stamp(layer)
+        # Outside a forward no microbatch runs and no top-k is consumed: a
+        # metadata builder sizing its buffers from the shape (FlashInfer SM90).
+        if reader.step is None:
+            return
         with self._lock:
             self.checked_reads += 1
             entry = self._last_write.get(id(obj))
