@@ -10,7 +10,10 @@ Host-side bookkeeping only, at the three places the hand-off happens:
   its ready event;
 - a group's `_convert_once()` at layer 0 writes the physical top-k rows, the
   valid counts and their ready event; at a follower it reads them;
-- a follower impl's `topk_indices_buffer` reads the logical buffer.
+- a follower impl's `topk_indices_buffer` reads the logical buffer;
+- DeepSeek-V4.1: each layer's `_sparse_indexer_and_attn` reads the top-k of
+  the index source below it and the candidate blocks of the candidate source
+  before it runs, and writes them after it, as its layer's role says.
 Each write stamps the state object (the resolved buffer or event) with the
 microbatch and the step's forward context; each read inside a forward
 compares (outside one, no microbatch runs). Python runs in
@@ -22,9 +25,11 @@ the logical buffer's reads go unchecked; the physical state is checked.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -181,8 +186,42 @@ def install(mode: str) -> IsolationChecker:
     impl_cls.record_logical_topk_ready = record_logical_topk_ready
     mixin.topk_indices_buffer = property(topk_indices_buffer, stock_buffer.fset)
     group_cls._convert_once = _convert_once
+    try:
+        from vllm.models.deepseek_v41.attention import DeepseekV4Attention as v41
+    except (ImportError, NotImplementedError):  # no V4.1 model can be built here either
+        pass
+    else:
+        v41._sparse_indexer_and_attn = checked_v41_layer(checker, v41._sparse_indexer_and_attn)
     CHECKER = checker
     return checker
+
+
+def checked_v41_layer(checker: IsolationChecker, stock: Callable[..., None]) -> Callable[..., None]:
+    """DeepSeek-V4.1's `_sparse_indexer_and_attn`, checking its hand-offs.
+
+    Before the layer runs: a layer reusing an index source's top-k reads the
+    top-k buffer, an indexer masking with earlier candidates reads the
+    candidate-block buffer. After it: an index source has written the top-k
+    (its indexer op, or the short-context fill before it), the candidate
+    source's op the candidates.
+    """
+    from vllm_dsa_dbo.patches.deepseek_v41_model import reads_candidates, reuses_topk
+
+    @functools.wraps(stock)
+    def _sparse_indexer_and_attn(self: Any, hidden_states: Any, index_q: Any, *args: Any) -> None:
+        layer = f"V4.1 layer {self.layer_id}"
+        if reuses_topk(self):
+            checker.read(layer, "V4.1 top-k", self.topk_indices_buffer)
+        if reads_candidates(self) and index_q is not None:
+            checker.read(layer, "V4.1 candidate blocks", self.candidate_block_buffer)
+        stock(self, hidden_states, index_q, *args)
+        if self.indexer is not None:
+            checker.write(layer, self.topk_indices_buffer)
+            writes = self.layer_id == self.candidate_source_layer and index_q is not None
+            if writes and self.candidate_block_buffer is not None:
+                checker.write(layer, self.candidate_block_buffer)
+
+    return _sparse_indexer_and_attn
 
 
 def mode_from_env() -> str | None:

@@ -40,6 +40,8 @@ PATCH_MODULES = (
     "hy_v4_model",
     "rocm_dsa_attention",
     "rocm_dsa_model",
+    "deepseek_v41_attention",
+    "deepseek_v41_model",
     "base_loader",
     "tensorizer",
 )

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from vllm_dsa_dbo.patches import Patch, replace_function
+from vllm_dsa_dbo.patches import Patch, deepseek_v41_model, replace_function
 from vllm_dsa_dbo.ubatch_topk import (
     followed_groups,
     index_groups,
@@ -36,16 +36,17 @@ PATCH = Patch(
         "refuses, under DBO, a model whose followers would read shared top-k "
         "state (leaders not wired to the per-microbatch buffers, followers in "
         "private groups nothing wired, followers of a sparse MLA backend without "
-        "index groups (XPU_MLA_SPARSE), groups a patch left unapplied, or "
-        "DeepSeek-V4.1 / MiniMax-M3 ROCm "
+        "index groups (XPU_MLA_SPARSE), groups a patch left unapplied, "
+        "DeepSeek-V4.1 buffers without per-microbatch copies, or MiniMax-M3 ROCm "
         "cross-layer index buffers), else logs one INFO line with the microbatch "
-        "count, the index groups with followers, the bytes allocated and the "
-        "sparse MLA backend, and nothing when nothing was allocated."
+        "count, the index groups with followers (or V4.1's copied buffers), the "
+        "bytes allocated and the sparse MLA backend, and nothing when nothing was "
+        "allocated."
     ),
     upstream=(
         "none for the log line; the refusals stand in for fixes PR #60734 does "
         "not make (the deepseek_v2 path on ROCm, HYV4 on ROCm, XPU_MLA_SPARSE) "
-        "and for PR #56476 (DeepSeek-V4.1)"
+        "and, on ROCm, for PR #56476 (DeepSeek-V4.1)"
     ),
     remove_when="with the other patches (the vLLM release that merges PR #60734)",
 )
@@ -55,16 +56,14 @@ def hands_topk_outside_index_groups(module: Any) -> bool:
     """A layer that reads top-k state another layer wrote, outside vLLM's
     index groups, in a model-wide buffer the microbatches share.
 
-    DeepSeek-V4.1: a layer that is no index source reuses an index source's
-    top-k, and indexers mask their scores with the candidate blocks of
-    `candidate_source_layer_id` (vllm PR #56476). MiniMax-M3 on ROCm with
-    `use_index_cache`: a `skip_index_topk` layer reuses the previous one's.
+    DeepSeek-V4.1 (unless deepseek_v41_model gave the buffers per-microbatch
+    copies, as on CUDA): a layer that is no index source reuses an index
+    source's top-k, and indexers mask their scores with the candidate blocks
+    of `candidate_source_layer_id`. MiniMax-M3 on ROCm with `use_index_cache`:
+    a `skip_index_topk` layer reuses the previous one's.
     """
-    source = getattr(module, "index_source_layer_id", None)
-    return (
-        getattr(module, "skip_index_topk", False) is True
-        or getattr(module, "candidate_block_buffer", None) is not None
-        or (source is not None and source != getattr(module, "layer_id", source))
+    return getattr(module, "skip_index_topk", False) is True or (
+        deepseek_v41_model.unwired_hand_off(module)
     )
 
 
@@ -110,9 +109,11 @@ def check_wired(model: Any, num_ubatches: int = 1) -> None:
         raise ValueError(
             f"vllm-dsa-dbo: {type(model).__name__} hands top-k (or candidate blocks) "
             "from one layer to later layers in buffers that are not index groups "
-            "(DeepSeek-V4.1 index_source_layer_ids / candidate_source_layer_id, "
-            "MiniMax-M3 use_index_cache on ROCm), which the plugin does not keep "
-            "per microbatch. With dual batch overlap those layers would read the "
+            "(DeepSeek-V4.1 index_source_layer_ids / candidate_source_layer_id on "
+            "ROCm, vllm/models/deepseek_v41/amd; MiniMax-M3 use_index_cache on ROCm), "
+            "which the plugin does not keep per microbatch (it does for DeepSeek-V4.1 "
+            "on CUDA, vllm/models/deepseek_v41/nvidia). With dual batch overlap "
+            "those layers would read the "
             "other microbatch's selection. Drop --enable-dbo (and --ubatch-size) "
             "for this model."
         )
@@ -143,7 +144,7 @@ def describe(model: Any) -> str | None:
     """The startup line for `model`, or None when the fix allocated nothing."""
     copied = [g for g in index_groups(model) if getattr(g, "ubatch_logical_topk_indices", ())]
     if not copied:
-        return None
+        return deepseek_v41_model.describe(model)
     followed = followed_groups(copied)
     allocated = ubatch_topk_bytes(copied)
     copied_ids = {id(g) for g in copied}
