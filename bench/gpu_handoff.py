@@ -35,8 +35,8 @@ def measure_phase(phase: str) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     import vllm_dsa_dbo
-    from vllm_dsa_dbo import cpu_dbo
-    from vllm_dsa_dbo.demo import FIRST_MOE_LAYER, GLM5_LAYOUT, SharedTopkStack
+    from vllm_dsa_dbo.testing import cpu_dbo
+    from vllm_dsa_dbo.testing.stack import FIRST_MOE_LAYER, GLM5_LAYOUT, SharedTopkStack
     from vllm_dsa_dbo.layout import leader_mask
 
     vllm_dsa_dbo.register()
@@ -77,7 +77,7 @@ def glm53_extra_bytes(index_topk_freq: int) -> dict:
 
     from vllm_dsa_dbo.cli import GLM53
     from vllm_dsa_dbo.layout import leader_mask
-    from vllm_dsa_dbo.ubatch_topk import ubatch_topk_bytes
+    from vllm_dsa_dbo.diagnostics.accounting import ubatch_topk_bytes
 
     leaders = leader_mask({**GLM53, "index_topk_freq": index_topk_freq})
     allocated, builders = {}, {}

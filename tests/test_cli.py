@@ -11,9 +11,9 @@ import sys
 import pytest
 import torch.nn as nn
 
-from vllm_dsa_dbo.demo import SharedTopkStack, attention_module
+from vllm_dsa_dbo.testing.stack import SharedTopkStack, attention_module
+from vllm_dsa_dbo.diagnostics.accounting import ubatch_topk_bytes
 from vllm_dsa_dbo.layout import leader_mask
-from vllm_dsa_dbo.ubatch_topk import ubatch_topk_bytes
 
 
 def cli(*args: str, **env: str) -> subprocess.CompletedProcess:

@@ -145,7 +145,7 @@ LOAD_GLM5_STACK = """
     from vllm.config import CompilationMode
     from vllm.model_executor.model_loader import utils
     from vllm_dsa_dbo import patches
-    from vllm_dsa_dbo.demo import SharedTopkStack, attention_module
+    from vllm_dsa_dbo.testing.stack import SharedTopkStack, attention_module
 
     print("UNAPPLIED", sorted(n for n, r in patches.wire(apply=False).items() if r))
 
@@ -170,14 +170,16 @@ LOAD_GLM5_STACK = """
 CPU_DBO = """
     import logging
     logging.basicConfig(level=logging.INFO)
-    import vllm_dsa_dbo.cpu_dbo as cpu_dbo
+    from vllm_dsa_dbo.testing import use_cpu
+    use_cpu()
+    from vllm_dsa_dbo.testing import cpu_dbo
 """
 REGISTER = """
     import vllm_dsa_dbo
     vllm_dsa_dbo.register()
 """
 BREAK_REGISTRY = """
-    import vllm_dsa_dbo.ubatch_topk
+    import vllm_dsa_dbo.core
     from vllm.v1.worker import ubatching
     ubatching._THREAD_ID_TO_CONTEXT = {}
 """

@@ -202,7 +202,7 @@ def read_json(path: Path) -> object:
 
 def memory(args: argparse.Namespace) -> int:
     source, model = load_config(args)
-    from vllm_dsa_dbo.ubatch_topk import ubatch_topk_bytes_per_extra_ubatch
+    from vllm_dsa_dbo.diagnostics.accounting import ubatch_topk_bytes_per_extra_ubatch
 
     followed = model.groups_with_followers
     max_decode_rows = min(

@@ -10,7 +10,8 @@ def snapshot(worker) -> dict:
     from vllm.v1.attention.backends.mla import index_group
 
     from vllm_dsa_dbo import isolation
-    from vllm_dsa_dbo.ubatch_topk import followed_groups, index_groups, ubatch_topk_bytes
+    from vllm_dsa_dbo.diagnostics.accounting import ubatch_topk_bytes
+    from vllm_dsa_dbo.diagnostics.groups import followed_groups, index_groups
 
     model = worker.model_runner.model
     groups = index_groups(model)

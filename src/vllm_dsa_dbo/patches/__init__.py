@@ -1,7 +1,7 @@
 """The vLLM 0.33.0 seams this plugin patches, one module per patched vLLM module.
 
-Each patch module opens with `PATCH`, its metadata as data (Why, How, Upstream,
-Remove when), and defines `apply(target)`. It may define `REQUIRES`, the
+Each patch module opens with `PATCH`, its metadata as data (the target's symbols
+it sets, Why, How, Upstream, Remove when), and defines `apply(target)`. It may define `REQUIRES`, the
 patches it is wrong without, and `check(target)`, which tells what of the
 vLLM internals it relies on differs here. `status`, docs and tests read
 `PATCH` from here; nothing keeps a second list by hand.
@@ -23,6 +23,8 @@ class Patch:
     """Why a vLLM module is patched and when the patch can go."""
 
     target: str
+    # The target module's symbols `apply` sets, as `name` or `Class.attribute`.
+    replaces: tuple[str, ...]
     why: str
     how: str
     upstream: str
@@ -47,6 +49,7 @@ PATCH_MODULES = (
 # With these in force every model build is checked at load; without, the guard refuses.
 LOAD_CHECK_MODULES = frozenset({"base_loader", "tensorizer"})
 
+# On each target module: the names of the patches applied to it.
 _APPLIED = "_vllm_dsa_dbo_patched"
 
 
@@ -63,7 +66,20 @@ def call_after_init(cls: type, hook: Callable[[Any], None]) -> None:
         stock_init(self, *args, **kwargs)
         hook(self)
 
+    __init__.after_init = hook
     cls.__init__ = __init__
+
+
+def run_after_init(instance: Any) -> None:
+    """The hooks `call_after_init` hung on `type(instance)`, for an instance
+    built without `__init__` (the CPU stack's attention modules)."""
+    init = type(instance).__init__
+    hooks = []
+    while hasattr(init, "after_init"):
+        hooks.append(init.after_init)
+        init = init.__wrapped__
+    for hook in reversed(hooks):
+        hook(instance)
 
 
 def replace_function(module: ModuleType, name: str, replacement: Callable) -> None:
@@ -112,7 +128,8 @@ def wire(apply: bool) -> dict[str, str | None]:
         requires = getattr(module, "REQUIRES", ())
         if any(r not in result for r in requires):  # needs a patch that does not matter here
             continue
-        if getattr(target, _APPLIED, False):
+        applied = getattr(target, _APPLIED, None) or ()
+        if name in applied:
             result[name] = None
             continue
         missing = [r for r in requires if result[r] is not None]
@@ -123,7 +140,7 @@ def wire(apply: bool) -> dict[str, str | None]:
                 reason = module.check(target) if hasattr(module, "check") else None
             if reason is None and apply:
                 module.apply(target)
-                setattr(target, _APPLIED, True)
+                setattr(target, _APPLIED, (*applied, name))
         except Exception as e:  # a vLLM that differs must not break register()
             reason = f"{type(e).__name__}: {e}"
         result[name] = reason

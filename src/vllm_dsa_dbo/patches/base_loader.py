@@ -9,18 +9,19 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from vllm_dsa_dbo.patches import Patch, replace_function
-from vllm_dsa_dbo.ubatch_topk import (
+from vllm_dsa_dbo.diagnostics.accounting import ubatch_topk_bytes
+from vllm_dsa_dbo.diagnostics.groups import (
     followed_groups,
     has_logical_copies,
     index_groups,
     reads_another_layers_topk,
     shares_topk_across_ubatches,
-    ubatch_topk_bytes,
 )
+from vllm_dsa_dbo.patches import Patch, replace_function
 
 PATCH = Patch(
     target="vllm.model_executor.model_loader.utils",
+    replaces=("initialize_model",),
     why=(
         "An operator cannot see from the logs whether the fix is active for a model "
         "or what it costs; and models whose leaders write the top-k outside "

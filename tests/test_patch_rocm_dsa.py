@@ -30,7 +30,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_dsa_dbo.demo import TOKENS_PER_UBATCH, Source, logical_topk, metadata
+from vllm_dsa_dbo.testing.stack import TOKENS_PER_UBATCH, Source, logical_topk, metadata
 
 LEADERS = [True, True, False, False]
 INDEX_TOPK = 128
@@ -177,7 +177,7 @@ class ROCmDSAStep:
         """(layer, microbatch, expected, logical read's source, physical read's source)."""
         from vllm.v1.worker.ubatching import dbo_yield
 
-        from vllm_dsa_dbo.cpu_dbo import run_dbo_step
+        from vllm_dsa_dbo.testing.cpu_dbo import run_dbo_step
 
         raw = {}
 
