@@ -92,7 +92,7 @@ def test_dbo_ubatch_leaders_writing_elsewhere_are_refused(fake_gpu):
 
     from vllm_dsa_dbo.testing.cpu_dbo import run_dbo_step
     from vllm_dsa_dbo.testing.stack import make_impl
-    from vllm_dsa_dbo.patches.base_loader import check_wired
+    from vllm_dsa_dbo.diagnostics.refusals import check_wired
 
     stack = SharedTopkStack(LEADERS, num_ubatches=2)
     leader = make_impl(stack.builder, stack.buffer, leads=True)
@@ -121,7 +121,7 @@ def test_dbo_ubatch_followers_in_private_groups_are_refused(fake_gpu, num_ubatch
     from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroupBuilder
 
     from vllm_dsa_dbo.testing.stack import attention_module, make_impl
-    from vllm_dsa_dbo.patches.base_loader import check_wired
+    from vllm_dsa_dbo.diagnostics.refusals import check_wired
 
     buffer = torch.full((32, 128), -1, dtype=torch.int32)
     impls = [

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from test_plugin import run_python
+from vllm_dsa_dbo.diagnostics import refusals
 from vllm_dsa_dbo.patches import base_loader, index_group, sparse_attn_indexer
 from vllm_dsa_dbo.patches import sparse_mla_attention, tensorizer
 
@@ -123,9 +124,9 @@ def test_groups_no_patch_touched_are_refused_under_dbo():
     layer = nn.Module()
     layer.impl = SimpleNamespace(index_group=SimpleNamespace(num_layers=2, has_indexer=True))
     model = nn.ModuleList([layer])
-    base_loader.check_wired(model, num_ubatches=1)
+    refusals.check_wired(model, num_ubatches=1)
     with pytest.raises(ValueError, match="Drop --enable-dbo"):
-        base_loader.check_wired(model, num_ubatches=2)
+        refusals.check_wired(model, num_ubatches=2)
 
 
 def test_load_seam_signature_checks():

@@ -13,7 +13,7 @@ from vllm_dsa_dbo.diagnostics.accounting import (
     ubatch_topk_bytes,
     ubatch_topk_bytes_per_extra_ubatch,
 )
-from vllm_dsa_dbo.layout import groups_with_followers, leader_mask
+from vllm_dsa_dbo.diagnostics.layout import groups_with_followers, leader_mask
 
 MAX_NUM_BATCHED_TOKENS = 96
 MAX_DECODE_ROWS = 24

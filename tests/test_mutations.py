@@ -173,7 +173,7 @@ MUTATIONS = {
         SM90_TEST,
     ),
     "followers without an index group loaded under DBO (XPU_MLA_SPARSE)": (
-        "patches/base_loader.py",
+        "diagnostics/refusals.py",
         "        ungrouped := [m for m in model.modules() if reads_topk_without_index_group(m)]\n",
         "        ungrouped := []\n",
         XPU_TEST,
@@ -238,7 +238,7 @@ MUTATIONS = {
         "test_rocm_patches_skipped_off_rocm_when_their_module_cannot_import",
     ),
     "vLLM's own groups (index_group unapplied) not refused": (
-        "patches/base_loader.py",
+        "diagnostics/refusals.py",
         "        return num_ubatches > 1 and reads_another_layers_topk(group)\n",
         "        return False\n",
         "tests/test_live_checks.py::test_groups_no_patch_touched_are_refused_under_dbo",
@@ -271,13 +271,13 @@ MUTATIONS = {
         f"{BAD_CONFIG}[missing]",
     ),
     "memory leaves a string index_topk_freq to vLLM": (
-        "layout.py",
+        "diagnostics/layout.py",
         '        _whole(text, "index_topk_freq", 1, 1)\n',
         "        pass\n",
         f'{BAD_CONFIG}["index_topk_freq": "4"]',
     ),
     "memory sizes any architecture with index_topk": (
-        "layout.py",
+        "diagnostics/layout.py",
         "    if architecture not in CODE_PATHS:\n",
         "    if False:\n",
         f"{BAD_CONFIG}[not-dsa]",
@@ -289,7 +289,7 @@ MUTATIONS = {
         MEMORY_HYV4_TEST,
     ),
     "memory sizes DeepSeek-V4.1, which the loader refuses under DBO": (
-        "layout.py",
+        "diagnostics/layout.py",
         '        CodePath("vllm/models/deepseek_v41", "deepseek_v41", REFUSED)\n',
         '        CodePath("vllm/models/deepseek_v41", None, UNSHARED)\n',
         MEMORY_V41_TEST,

@@ -143,7 +143,8 @@ class CompiledStack(SharedTopkStack):
 
 
 def test_compiled_dsa_followers_read_their_own_leaders_topk(fake_gpu, monkeypatch):
-    from vllm_dsa_dbo.patches.base_loader import check_wired, describe
+    from vllm_dsa_dbo.diagnostics.refusals import check_wired
+    from vllm_dsa_dbo.diagnostics.startup import describe
 
     layers, buffer = build_layers(monkeypatch, fake_gpu, num_ubatches=2)
     stack = CompiledStack(layers, buffer, monkeypatch)
@@ -159,7 +160,8 @@ def test_compiled_dsa_followers_read_their_own_leaders_topk(fake_gpu, monkeypatc
 
 
 def test_compiled_dsa_without_dbo_allocates_nothing(fake_gpu, monkeypatch):
-    from vllm_dsa_dbo.patches.base_loader import check_wired, describe
+    from vllm_dsa_dbo.diagnostics.refusals import check_wired
+    from vllm_dsa_dbo.diagnostics.startup import describe
 
     layers, _ = build_layers(monkeypatch, fake_gpu, num_ubatches=1)
     check_wired(layers, num_ubatches=1)
@@ -168,7 +170,7 @@ def test_compiled_dsa_without_dbo_allocates_nothing(fake_gpu, monkeypatch):
 
 def test_compiled_dsa_off_cuda_is_refused(fake_gpu, monkeypatch):
     """Off CUDA (ROCm) the leader writes through another op: left unwired, refused."""
-    from vllm_dsa_dbo.patches.base_loader import check_wired
+    from vllm_dsa_dbo.diagnostics.refusals import check_wired
 
     layers, _ = build_layers(monkeypatch, fake_gpu, num_ubatches=2, platform="rocm")
     with pytest.raises(ValueError, match="Drop --enable-dbo"):

@@ -1,16 +1,18 @@
-"""Every patch's `PATCH` record lists the symbols of its target that `apply` sets."""
+"""Every patch's `PATCH` record, the isolation checker's included, lists the symbols
+of its target that `apply` sets."""
 
 from __future__ import annotations
 
 import json
 
 from test_plugin import run_python
-from vllm_dsa_dbo.patches import PATCH_MODULES, patch_modules
+from vllm_dsa_dbo.patches import CHECK_PATCH_MODULES, PATCH_MODULES, patch_modules
 
 # In a fresh interpreter: each patch applied in order, its target compared before and after.
 APPLY_EACH = """
     import importlib, json, types
     from vllm_dsa_dbo import patches
+    from vllm_dsa_dbo.diagnostics import isolation
 
     def symbols(module):
         found = {}
@@ -24,7 +26,8 @@ APPLY_EACH = """
         return found
 
     changed = {}
-    for module in patches.patch_modules():
+    isolation.CHECKER = isolation.IsolationChecker("audit")
+    for module in patches.patch_modules(patches.PATCH_MODULES + patches.CHECK_PATCH_MODULES):
         target = importlib.import_module(module.PATCH.target)
         before = symbols(target)
         assert getattr(module, "check", lambda t: None)(target) is None, module.__name__
@@ -40,8 +43,9 @@ APPLY_EACH = """
 
 
 def test_every_patch_lists_what_it_sets():
-    records = {module.__name__.rsplit(".", 1)[1]: module.PATCH for module in patch_modules()}
-    assert list(records) == list(PATCH_MODULES)
+    names = PATCH_MODULES + CHECK_PATCH_MODULES
+    records = {module.__name__.rsplit(".", 1)[1]: module.PATCH for module in patch_modules(names)}
+    assert list(records) == list(names)
     assert all(patch.replaces for patch in records.values())
 
     result = run_python(APPLY_EACH)

@@ -40,8 +40,8 @@ def main(argv: list[str] | None = None) -> int:
 
     use_cpu()
     import vllm_dsa_dbo
-    from vllm_dsa_dbo import isolation
-    from vllm_dsa_dbo.layout import leader_mask
+    from vllm_dsa_dbo.diagnostics import isolation
+    from vllm_dsa_dbo.diagnostics.layout import leader_mask
     from vllm_dsa_dbo.testing import cpu_dbo
     from vllm_dsa_dbo.testing.stack import FIRST_MOE_LAYER, GLM5_LAYOUT, SharedTopkStack
 

@@ -46,6 +46,9 @@ PATCH_MODULES = (
     "tensorizer",
 )
 
+# The isolation checker's, applied by `diagnostics.isolation.install` after the fix's.
+CHECK_PATCH_MODULES = ("isolation_sparse_mla_attention", "isolation_index_group")
+
 # With these in force every model build is checked at load; without, the guard refuses.
 LOAD_CHECK_MODULES = frozenset({"base_loader", "tensorizer"})
 
@@ -53,8 +56,8 @@ LOAD_CHECK_MODULES = frozenset({"base_loader", "tensorizer"})
 _APPLIED = "_vllm_dsa_dbo_patched"
 
 
-def patch_modules() -> list[ModuleType]:
-    return [importlib.import_module(f"{__name__}.{name}") for name in PATCH_MODULES]
+def patch_modules(names: tuple[str, ...] = PATCH_MODULES) -> list[ModuleType]:
+    return [importlib.import_module(f"{__name__}.{name}") for name in names]
 
 
 def call_after_init(cls: type, hook: Callable[[Any], None]) -> None:
@@ -106,7 +109,7 @@ def short_name(module: ModuleType) -> str:
     return module.__name__.rsplit(".", 1)[1]
 
 
-def wire(apply: bool) -> dict[str, str | None]:
+def wire(apply: bool, names: tuple[str, ...] = PATCH_MODULES) -> dict[str, str | None]:
     """Each patch that matters here, and why it is left unapplied (None: in force).
 
     A patch is left unapplied when its target does not import, its check
@@ -114,7 +117,7 @@ def wire(apply: bool) -> dict[str, str | None]:
     unapplied. `apply=False` only tells what applying would do.
     """
     result: dict[str, str | None] = {}
-    for module in patch_modules():
+    for module in patch_modules(names):
         name = short_name(module)
         try:
             target = importlib.import_module(module.PATCH.target)
@@ -147,8 +150,8 @@ def wire(apply: bool) -> dict[str, str | None]:
     return result
 
 
-def apply_all() -> set[str]:
-    """Apply every patch `wire` allows, once per process; returns those in force.
+def apply_all(names: tuple[str, ...] = PATCH_MODULES) -> set[str]:
+    """Apply every patch of `names` `wire` allows, once per process; returns those in force.
 
     Each patch left unapplied gets one warning naming why: the models that
     need it are then refused at load, never corrupted.
@@ -159,7 +162,7 @@ def apply_all() -> set[str]:
 
     logger = init_logger(LOGGER_NAME)
     applied = set()
-    for name, reason in wire(apply=True).items():
+    for name, reason in wire(apply=True, names=names).items():
         if reason is None:
             applied.add(name)
         else:

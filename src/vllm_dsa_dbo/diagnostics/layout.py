@@ -300,7 +300,7 @@ def _deepseek_v41_layers(text: dict) -> list[SimpleNamespace]:
 def _cross_layer_followers(layers: list[Any]) -> tuple[list[int], list[str]]:
     """The layers the loader refuses under DBO, for models whose layers hand
     top-k outside index groups."""
-    from vllm_dsa_dbo.patches.base_loader import hands_topk_outside_index_groups
+    from vllm_dsa_dbo.diagnostics.refusals import hands_topk_outside_index_groups
 
     followers = [i for i, m in enumerate(layers) if hands_topk_outside_index_groups(m)]
     notes = []
