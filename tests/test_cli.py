@@ -290,6 +290,11 @@ def test_demo_refuses_an_unknown_checker_value():
     assert "VLLM_DSA_DBO_CHECK='bogus' is not understood" in result.stderr
 
 
+# Layer 1 reuses layer 0's top-k.
+V41_2 = {"architectures": ["DeepseekV41ForCausalLM"], "num_hidden_layers": 2, "index_topk": 64,
+         "compress_ratios": [1, 1], "kv_source_layer_ids": [0], "index_source_layer_ids": [0]}
+
+
 @pytest.mark.parametrize(
     "config, args, shown",
     [
@@ -297,14 +302,13 @@ def test_demo_refuses_an_unknown_checker_value():
           "layer_types": ["deepseek_sparse_attention"] * 4,
           "indexer_types": ["full", "shared", "full", "shared"]}, [],
          "extra bytes per GPU per extra microbatch: 2,097,152 (2.0 MiB)"),  # 8192 x 64 x 4
-        ({"architectures": ["DeepseekV41ForCausalLM"], "num_hidden_layers": 2, "index_topk": 64,
-          "compress_ratios": [1, 1], "kv_source_layer_ids": [0], "index_source_layer_ids": [0]},
-         [], "extra memory: none; refused under DBO"),
+        (V41_2, [], "  top-k buffer           8192 x 64 x 4 = 2,097,152"),
+        (V41_2, ["--platform", "rocm"], "extra memory: none; refused under DBO"),
         ({"architectures": ["DeepseekV32ForCausalLM"], "num_hidden_layers": 4, "index_topk": 64,
           "index_topk_freq": 2}, ["--platform", "rocm"],
          "  (logical top-k buffer only (followers build private single-layer groups))"),
     ],
-    ids=["hy-v4", "deepseek-v41", "rocm-dsa"],
+    ids=["hy-v4", "deepseek-v41", "deepseek-v41-rocm", "rocm-dsa"],
 )
 def test_memory_command_follows_the_architecture(tmp_path, config, args, shown):
     (tmp_path / "config.json").write_text(json.dumps(config))

@@ -1,6 +1,7 @@
 """Models that hand top-k between layers outside vLLM's index groups are
-refused under DBO at model load: DeepSeek-V4.1 (index sources, candidate
-blocks) and MiniMax-M3 on ROCm with use_index_cache.
+refused under DBO at model load: DeepSeek-V4.1 with no per-microbatch copies
+(index sources, candidate blocks: the ROCm path) and MiniMax-M3 on ROCm with
+use_index_cache.
 
 Their attention layers cannot be built on a CPU; each stand-in layer carries
 the attribute the real layer sets, decided by vLLM's own rule where it has one.
@@ -32,12 +33,18 @@ def minimax_m3_layer(layer_id: int, config: SimpleNamespace) -> nn.Module:
     return layer
 
 
-def deepseek_v41_layer(layer_id: int, index_sources: tuple[int, ...], candidates: bool) -> nn.Module:
-    """`DeepseekV4Attention`'s topology attributes for a compressed layer."""
+def deepseek_v41_layer(
+    layer_id: int, index_sources: tuple[int, ...], candidate_source: int
+) -> nn.Module:
+    """`DeepseekV4Attention`'s topology attributes for a compressed layer of a
+    model nothing wired (the ROCm path): its buffers have no microbatch copies."""
     layer = nn.Module()
     layer.layer_id = layer_id
     layer.index_source_layer_id = max(s for s in index_sources if s <= layer_id)
-    layer.candidate_block_buffer = torch.empty(4, 2, dtype=torch.int32) if candidates else None
+    layer.candidate_source_layer = candidate_source
+    layer.indexer = nn.Module() if layer_id in index_sources else None
+    layer.topk_indices_buffer = torch.empty(4, 2, dtype=torch.int32)
+    layer.candidate_block_buffer = torch.empty(4, 2, dtype=torch.int32)
     return layer
 
 
@@ -51,15 +58,15 @@ MODELS = {
         False,
     ),
     "deepseek_v41 index sharing": (
-        lambda: [deepseek_v41_layer(i, (0, 2), False) for i in range(3)],
+        lambda: [deepseek_v41_layer(i, (0, 2), -1) for i in range(3)],
         True,
     ),
     "deepseek_v41 candidate blocks": (
-        lambda: [deepseek_v41_layer(i, (0, 1, 2), True) for i in range(3)],
+        lambda: [deepseek_v41_layer(i, (0, 1, 2), 0) for i in range(3)],
         True,
     ),
     "deepseek_v41 every layer its own index source": (
-        lambda: [deepseek_v41_layer(i, (0, 1, 2), False) for i in range(3)],
+        lambda: [deepseek_v41_layer(i, (0, 1, 2), -1) for i in range(3)],
         False,
     ),
 }

@@ -71,3 +71,21 @@ def test_bad_mode_is_refused():
 
     with pytest.raises(ValueError, match="VLLM_DSA_DBO_CHECK must be one of"):
         IsolationChecker("loud")
+
+
+def test_a_read_outside_a_forward_is_not_a_hand_off(vllm_env):
+    from vllm.forward_context import ForwardContext, override_forward_context
+
+    from vllm_dsa_dbo.diagnostics.isolation import IsolationChecker, MicrobatchIsolationError
+
+    checker = IsolationChecker("raise")
+    buffer = object()
+    with override_forward_context(ForwardContext({}, {}, {})):
+        checker.write("group 1 leader", buffer)
+    # FlashInfer SM90's metadata builder reads the follower's buffer for its shape.
+    checker.read("group 0 follower 1", "logical top-k", buffer)
+    assert checker.checked_reads == 0
+    with override_forward_context(ForwardContext({}, {}, {})):
+        with pytest.raises(MicrobatchIsolationError, match="group 0 follower 1 in microbatch 0"):
+            checker.read("group 0 follower 1", "logical top-k", buffer)
+    assert checker.checked_reads == 1

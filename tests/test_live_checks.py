@@ -15,7 +15,8 @@ import pytest
 
 from test_plugin import run_python
 from vllm_dsa_dbo.diagnostics import refusals
-from vllm_dsa_dbo.patches import base_loader, index_group, sparse_attn_indexer
+from vllm_dsa_dbo.patches import base_loader, deepseek_v41_attention, deepseek_v41_model
+from vllm_dsa_dbo.patches import index_group, sparse_attn_indexer
 from vllm_dsa_dbo.patches import sparse_mla_attention, tensorizer
 
 
@@ -139,6 +140,53 @@ def test_load_seam_signature_checks():
     assert base_loader.check(utils) is None and tensorizer.check(vllm_tensorizer) is None
 
 
+class Op:
+    def __init__(self, topk_indices_buffer, candidate_blocks=None) -> None:
+        self.topk_indices_buffer = topk_indices_buffer
+        self.candidate_blocks = candidate_blocks
+
+
+class OpWithoutCandidates:
+    def __init__(self, topk_indices_buffer) -> None:
+        self.topk_indices_buffer = topk_indices_buffer
+
+
+def v41_attention_module(op: type) -> SimpleNamespace:
+    from vllm.models.deepseek_v41 import attention
+
+    indexer = type("DeepseekV4Indexer", (attention.DeepseekV4Indexer,), {"mqa_cls": op})
+    return SimpleNamespace(DeepseekV4Attention=attention.DeepseekV4Attention,
+                           DeepseekV4Indexer=indexer)
+
+
+def test_deepseek_v41_attention_check():
+    from vllm.models.deepseek_v41 import attention
+
+    assert deepseek_v41_attention.check(attention) is None
+    assert deepseek_v41_attention.check(v41_attention_module(Op)) is None
+    found = deepseek_v41_attention.check(v41_attention_module(OpWithoutCandidates))
+    assert found is not None and "no longer sets ['candidate_blocks']" in found
+
+
+def test_deepseek_v41_model_check():
+    import torch.nn as nn
+    from vllm.compilation.wrapper import TorchCompileWithNoGuardsWrapper
+    from vllm.models.deepseek_v41.nvidia import model
+
+    assert deepseek_v41_model.check(model) is None
+    stock = model.DeepseekV4Model
+    compiled = type("DeepseekV4Model", (stock, TorchCompileWithNoGuardsWrapper), {})
+    found = deepseek_v41_model.check(SimpleNamespace(DeepseekV4Model=compiled))
+    assert found is not None and "torch.compile'd" in found
+
+    class Renamed(nn.Module):
+        def __init__(self, *, vllm_config, prefix="") -> None:
+            self.topk_indices_buffer = self.parallel_config = None
+
+    found = deepseek_v41_model.check(SimpleNamespace(DeepseekV4Model=Renamed))
+    assert found is not None and "no longer sets ['candidate_block_buffer']" in found
+
+
 # A GLM-5-shaped stack (leader, two followers) built by initialize_model under DBO.
 LOAD_GLM5_STACK = """
     import torch.nn as nn
@@ -185,8 +233,9 @@ BREAK_REGISTRY = """
     ubatching._THREAD_ID_TO_CONTEXT = {}
 """
 DEPENDENT = [
-    "deepseek_v32_attention", "hy_v4_attention", "hy_v4_model", "index_group", "mla",
-    "rocm_dsa_attention", "rocm_dsa_model", "sparse_attn_indexer", "sparse_mla_attention",
+    "deepseek_v32_attention", "deepseek_v41_attention", "deepseek_v41_model", "hy_v4_attention",
+    "hy_v4_model", "index_group", "mla", "rocm_dsa_attention", "rocm_dsa_model",
+    "sparse_attn_indexer", "sparse_mla_attention",
 ]
 
 

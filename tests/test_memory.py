@@ -164,10 +164,18 @@ LOGICAL_BYTES = 8192 * 64 * 4
         (HYV4_8, "cuda", 4, "allocated at model load: logical top-k buffer only", LOGICAL_BYTES),
         (HYV4_8, "rocm", 4, "refused under DBO", None),
         ({**HYV4_8, "layer_types": ["full_attention"] * 8}, "cuda", 0, "no layer reuses", 0),
-        ({**V41, "index_source_layer_ids": [1]}, "cuda", 2, "refused under DBO", None),
+        ({**V41, "index_source_layer_ids": [1]}, "cuda", 2, "allocated at model load: each "
+         "model-wide buffer", LOGICAL_BYTES),  # layers 2 and 3 reuse 1's top-k
+        ({**V41, "index_source_layer_ids": [1]}, "rocm", 2, "refused under DBO", None),
+        ({**V41, "index_source_layer_ids": [1, 2, 3]}, "cuda", 0, "no layer reuses", 0),
         ({**V41, "index_source_layer_ids": [1, 2, 3]}, "rocm", 0, "no layer reuses", 0),
         ({**V41, "index_source_layer_ids": [1, 2, 3], "candidate_source_layer_id": 1,
-          "candidate_topk_blocks": 8}, "cuda", 4, "refused under DBO", None),
+          "candidate_topk_blocks": 8}, "cuda", 2, "allocated", 8192 * 8 * 4),
+        ({**V41, "index_source_layer_ids": [1, 2, 3], "candidate_source_layer_id": 1,
+          "candidate_topk_blocks": 8}, "rocm", 2, "refused under DBO", None),
+        # No candidate buffer without candidate_topk_blocks: nothing to copy.
+        pytest.param({**V41, "index_source_layer_ids": [1, 2, 3], "candidate_source_layer_id": 1},
+                     "cuda", 0, "no layer reuses", 0, id="v41-no-candidate-blocks"),
         (MINIMAX_M3, "rocm", 1, "refused under DBO", None),  # layer 2 reuses layer 1's
         (MINIMAX_M3, "cuda", 0, "nothing: every sparse layer runs its own indexer", 0),
         ({**MINIMAX_M3, "text_config": {**MINIMAX_M3["text_config"], "use_index_cache": False}},

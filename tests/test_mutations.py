@@ -1,6 +1,6 @@
-"""The core test (and the HYV4, ROCm DSA, compiled DSA and sparse MLA backend tests for
-their patches, and the loader, guard and live-check tests for theirs) fails when any part
-of the fix is removed from the source; so does each bad-input test when its check is.
+"""The core test (and the HYV4, ROCm DSA, compiled DSA, sparse MLA backend and DeepSeek-V4.1
+tests for their patches, and the loader, guard and live-check tests for theirs) fails when
+any part of the fix is removed from the source; so does each bad-input test when its check is.
 
 Each mutation edits a copy of the package and runs its test against it
 in a fresh interpreter, as a reviewer would check it by hand (two at a time).
@@ -26,6 +26,10 @@ CORE_TEST = (
 HYV4_TEST = "tests/test_patch_hy_v4.py::test_hy_v4_followers_read_their_own_leaders_topk"
 ROCM_TEST = "tests/test_patch_rocm_dsa.py::test_rocm_dsa_followers_read_their_own_leaders_topk"
 COMPILED_TEST = "tests/test_patch_mla.py::test_compiled_dsa_followers_read_their_own_leaders_topk"
+V41_TEST = (
+    "tests/test_patch_deepseek_v41.py::"
+    "test_deepseek_v41_reusing_layers_read_their_own_ubatch_state"
+)
 TRACED_TEST = "tests/test_patch_mla.py::test_traced_code_reads_microbatch_0s_group_state"
 BACKENDS = "tests/test_sparse_mla_backends.py"
 BACKEND_TEST = f"{BACKENDS}::test_followers_read_their_own_leaders_topk"
@@ -46,7 +50,9 @@ REGISTER_ENV_TEST = "tests/test_plugin.py::test_vllm_starts_with_any_env_value[c
 STATUS_ENV_TEST = "tests/test_cli.py::test_status_unknown_env_value_is_an_error[check-bogus]"
 BAD_CONFIG = "tests/test_cli.py::test_memory_bad_config"
 MEMORY_HYV4_TEST = "tests/test_memory.py::test_memory_is_what_hy_v4_allocates"
-MEMORY_V41_TEST = "tests/test_cli.py::test_memory_command_follows_the_architecture[deepseek-v41]"
+MEMORY_ARCH_TEST = "tests/test_cli.py::test_memory_command_follows_the_architecture"
+MEMORY_V41_TEST = f"{MEMORY_ARCH_TEST}[deepseek-v41]"
+MEMORY_V41_ROCM_TEST = f"{MEMORY_ARCH_TEST}[deepseek-v41-rocm]"
 AB_QUESTIONS_TEST = "tests/test_ab.py::test_runs_on_other_questions_are_refused"
 AB_TWO_RUNS_TEST = "tests/test_ab.py::test_a_folder_with_two_runs_is_refused"
 RECORDS_TEST = "tests/test_patch_records.py::test_every_patch_lists_what_it_sets"
@@ -154,6 +160,43 @@ MUTATIONS = {
         "        pass\n",
         COMPILED_TEST,
     ),
+    "model not wired (DSv41)": (
+        "patches/deepseek_v41_model.py",
+        "    call_after_init(target.DeepseekV4Model, keep_index_state_per_ubatch)\n",
+        "    pass\n",
+        V41_TEST,
+    ),
+    "candidate blocks get no copies (DSv41)": (
+        "patches/deepseek_v41_model.py",
+        "        buffers.append(model.candidate_block_buffer)\n",
+        "        pass\n",
+        V41_TEST,
+    ),
+    "buffers always resolve to microbatch 0's (DSv41)": (
+        "ubatch_buffers.py",
+        "    return buffer if entry is None else entry[1][ubatch_id - 1]\n",
+        "    return buffer\n",
+        V41_TEST,
+    ),
+    "attention layers read vLLM's buffers (DSv41)": (
+        "patches/deepseek_v41_attention.py",
+        "    per_ubatch_buffers(target.DeepseekV4Attention, "
+        '"topk_indices_buffer", "candidate_block_buffer")\n',
+        "    pass\n",
+        V41_TEST,
+    ),
+    "indexer op writes vLLM's top-k buffer (DSv41)": (
+        "patches/deepseek_v41_attention.py",
+        "    indexer.attn_cls = per_ubatch_op(indexer.attn_cls)\n",
+        "    pass\n",
+        V41_TEST,
+    ),
+    "indexer op reads vLLM's candidate blocks (DSv41)": (
+        "patches/deepseek_v41_attention.py",
+        'OP_BUFFERS = ("topk_indices_buffer", "candidate_blocks")\n',
+        'OP_BUFFERS = ("topk_indices_buffer",)\n',
+        V41_TEST,
+    ),
     "index group always returns microbatch 0's state (FLASH_ATTN_MLA_SPARSE)": (
         "core.py",
         "            if ubatch_id and group.ubatch_topk_states:\n",
@@ -230,6 +273,32 @@ MUTATIONS = {
         "    if False:\n",
         "tests/test_live_checks.py::test_op_body_check[other_cell]",
     ),
+    "DeepSeek-V4.1 buffers without copies loaded under DBO (ROCm)": (
+        "diagnostics/refusals.py",
+        "        deepseek_v41_model.unwired_hand_off(module)\n",
+        "        False\n",
+        "tests/test_cross_layer_refusal.py::"
+        "test_cross_layer_topk_outside_index_groups_refused_under_dbo[deepseek_v41 index sharing]",
+    ),
+    "DeepSeek-V4.1 indexers without a candidate buffer counted as readers": (
+        "patches/deepseek_v41_model.py",
+        '        and stored_buffer(attn, "candidate_block_buffer") is not None\n',
+        "",
+        "tests/test_memory.py::test_memory_follows_the_architecture[v41-no-candidate-blocks]",
+    ),
+    "DeepSeek-V4.1 indexer ops' buffers not checked": (
+        "patches/deepseek_v41_attention.py",
+        "        or next(filter(None, (unset_attributes(op.__init__, *OP_BUFFERS) "
+        "for op in ops)), None)\n",
+        "        or None\n",
+        "tests/test_live_checks.py::test_deepseek_v41_attention_check",
+    ),
+    "a torch.compile'd DeepSeek-V4.1 model patched anyway": (
+        "patches/deepseek_v41_model.py",
+        "    if issubclass(model, TorchCompileWithNoGuardsWrapper):\n",
+        "    if False:\n",
+        "tests/test_live_checks.py::test_deepseek_v41_model_check",
+    ),
     "patches applied without the patches they need": (
         "patches/__init__.py",
         "        missing = [r for r in requires if result[r] is not None]\n",
@@ -288,10 +357,16 @@ MUTATIONS = {
         "        logical_only=False,\n",
         MEMORY_HYV4_TEST,
     ),
-    "memory sizes DeepSeek-V4.1, which the loader refuses under DBO": (
+    "memory sizes DeepSeek-V4.1 on ROCm, which the loader refuses under DBO": (
         "diagnostics/layout.py",
-        '        CodePath("vllm/models/deepseek_v41", "deepseek_v41", REFUSED)\n',
-        '        CodePath("vllm/models/deepseek_v41", None, UNSHARED)\n',
+        '        "rocm": CodePath("vllm/models/deepseek_v41/amd", "deepseek_v41", REFUSED),\n',
+        '        "rocm": CodePath("vllm/models/deepseek_v41/amd", "deepseek_v41", MODEL_WIDE),\n',
+        MEMORY_V41_ROCM_TEST,
+    ),
+    "memory leaves out DeepSeek-V4.1's copies": (
+        "cli.py",
+        "    ) + sum(tokens * columns * 4 for _, columns in model.buffers)\n",
+        "    )\n",
         MEMORY_V41_TEST,
     ),
     "ab compares runs on other questions": (
@@ -329,9 +404,9 @@ def copy_package(root: Path) -> Path:
 
 @pytest.mark.parametrize(
     "test",
-    [CORE_TEST, HYV4_TEST, ROCM_TEST, COMPILED_TEST, FA3_TEST, XPU_TEST, DEMO_RAISE_TEST,
-     REGISTER_ENV_TEST, STATUS_ENV_TEST, f"{BAD_CONFIG}[not-dsa]", MEMORY_HYV4_TEST,
-     MEMORY_V41_TEST, AB_QUESTIONS_TEST, AB_TWO_RUNS_TEST, RECORDS_TEST],
+    [CORE_TEST, HYV4_TEST, ROCM_TEST, COMPILED_TEST, FA3_TEST, XPU_TEST, V41_TEST,
+     DEMO_RAISE_TEST, REGISTER_ENV_TEST, STATUS_ENV_TEST, f"{BAD_CONFIG}[not-dsa]",
+     MEMORY_HYV4_TEST, MEMORY_V41_TEST, AB_QUESTIONS_TEST, AB_TWO_RUNS_TEST, RECORDS_TEST],
     ids=str,
 )
 def test_core_test_passes_on_unmutated_copy(test, tmp_path):

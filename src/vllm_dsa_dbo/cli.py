@@ -228,13 +228,14 @@ def memory(args: argparse.Namespace) -> int:
         args.max_num_batched_tokens, args.max_num_seqs * (1 + args.num_speculative_tokens)
     )
     extra_ubatches = args.num_ubatches - 1
+    k, tokens = model.index_topk, args.max_num_batched_tokens
     per_ubatch = ubatch_topk_bytes_per_extra_ubatch(
-        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_batched_tokens=tokens,
         max_decode_rows=max_decode_rows,
-        index_topk=model.index_topk,
+        index_topk=k,
         groups_with_followers=followed if model.path.copies in (GROUPS, LOGICAL) else 0,
         logical_only=model.path.copies == LOGICAL,
-    )
+    ) + sum(tokens * columns * 4 for _, columns in model.buffers)
     refused = model.refused_under_dbo and extra_ubatches > 0
     if extra_ubatches == 0:
         verdict = "no DBO: nothing allocated"
@@ -258,8 +259,9 @@ def memory(args: argparse.Namespace) -> int:
         "leaders": model.leaders,
         "followers": len(model.followers),
         "groups_with_followers": followed,
-        "index_topk": model.index_topk,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "index_topk": k,
+        "copied_buffers": dict(model.buffers),
+        "max_num_batched_tokens": tokens,
         "max_decode_rows": max_decode_rows,
         "num_ubatches": args.num_ubatches,
         "verdict": verdict,
@@ -271,20 +273,21 @@ def memory(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=1))
         return 0
     print(f"model: {source} ({model.architecture}, {model.num_layers} layers, "
-          f"index_topk {model.index_topk})")
+          f"index_topk {k})")
     print(f"vLLM code path: {model.path.module} ({args.platform})")
     if model.leaders is not None:
         print(f"leaders ({len(model.leaders)}): {' '.join(map(str, model.leaders)) or 'none'}")
-    print(f"followers ({len(model.followers)}, reusing another layer's top-k): "
+    reads = "top-k or candidate blocks" if model.path.rule == "deepseek_v41" else "top-k"
+    print(f"followers ({len(model.followers)}, reading another layer's {reads}): "
           f"{' '.join(map(str, model.followers)) or 'none'}")
     for note in model.notes:
         print(f"note: {note}")
     if per_ubatch == 0 or refused or extra_ubatches == 0:
         print(f"extra memory: {'none' if refused else '0 bytes'}; {verdict}")
         return 0
-    k, tokens = model.index_topk, args.max_num_batched_tokens
     print(f"extra bytes per GPU per extra microbatch: {per_ubatch:,} ({per_ubatch / 2**20:.1f} MiB)")
-    print(f"  logical top-k buffer   {tokens} x {k} x 4 = {tokens * k * 4:,}")
+    for name, columns in model.buffers or (("logical top-k buffer", k),):
+        print(f"  {name:<22} {tokens} x {columns} x 4 = {tokens * columns * 4:,}")
     if model.path.copies == GROUPS:
         rows = max_decode_rows + 1
         print(f"  index groups with followers: G = {followed}; max_decode_rows = "
@@ -293,7 +296,7 @@ def memory(args: argparse.Namespace) -> int:
         physical = followed * rows * k * 4
         print(f"  physical top-k rows    {followed} x {rows} x {k} x 4 = {physical:,}")
         print(f"  valid counts           {followed} x {rows} x 4 = {followed * rows * 4:,}")
-    else:
+    elif model.path.copies == LOGICAL:
         print(f"  ({model.path.copies})")
     print(
         f"microbatches: {args.num_ubatches}, so {extra_ubatches} extra: "

@@ -58,11 +58,36 @@ def register() -> None:
         _naive_prepare_finalize_yields()
         GATES.extend(["dbo_all2all_allow_list+allgather_reducescatter",
                       "naive_dp_ep.supports_dbo=True", "naive_dp_ep.yield_at_graph_capture"])
+    _stream_capture_check_for_older_torch()
     _reinit_dummy_weights()
     _count_microbatched_steps()
     if os.environ.get(SWITCH_INTERVAL_ENV):
         sys.setswitchinterval(float(os.environ[SWITCH_INTERVAL_ENV]))
     config_module._dsa_dbo_harness = True
+
+
+def _stream_capture_check_for_older_torch() -> None:
+    """vLLM 0.33.0's batched MoE experts ask `torch.Stream.is_capturing()`, which
+    the GPU bundle's torch 2.11 lacks (vLLM pins a newer torch): ask CUDA instead.
+
+    Only DeepEP low-latency reaches that code here; recorded in `GATES` when called.
+    """
+    import torch
+
+    if hasattr(torch.Stream, "is_capturing"):
+        return
+    from vllm.model_executor.layers.fused_moe.experts import fused_batched_moe
+
+    gate = "fused_batched_moe.capture_check=torch.cuda (torch.Stream lacks is_capturing)"
+
+    def capturing_or_compiling() -> bool:
+        if torch.compiler.is_compiling():
+            return True
+        if gate not in GATES:
+            GATES.append(gate)
+        return torch.cuda.is_current_stream_capturing()
+
+    fused_batched_moe._is_capturing_or_compiling = capturing_or_compiling
 
 
 def _allow_naive_all2all_under_dbo(config_module) -> None:

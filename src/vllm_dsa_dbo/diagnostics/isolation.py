@@ -11,9 +11,13 @@ Host-side bookkeeping only, at the three places the hand-off happens (the
   its ready event;
 - a group's `_convert_once()` at layer 0 writes the physical top-k rows, the
   valid counts and their ready event; at a follower it reads them;
-- a follower impl's `topk_indices_buffer` reads the logical buffer.
+- a follower impl's `topk_indices_buffer` reads the logical buffer;
+- DeepSeek-V4.1: each layer's `_sparse_indexer_and_attn` reads the top-k of
+  the index source below it and the candidate blocks of the candidate source
+  before it runs, and writes them after it, as its layer's role says.
 Each write stamps the state object (the resolved buffer or event) with the
-microbatch and the step's forward context; each read compares. Python runs in
+microbatch and the step's forward context; each read inside a forward
+compares (outside one, no microbatch runs). Python runs in
 eager steps and during CUDA-graph capture, so both are checked; replays reuse
 what capture checked. A torch.compile'd model (the deepseek_v2 DSA path) runs
 the leader's `record_logical_topk_ready()` only while it is traced, so there
@@ -83,6 +87,10 @@ class IsolationChecker:
 
     def read(self, layer: str, kind: str, obj: Any) -> None:
         reader = self._stamp(layer)
+        # Outside a forward no microbatch runs and no top-k is consumed: a
+        # metadata builder sizing its buffers from the shape (FlashInfer SM90).
+        if reader.step is None:
+            return
         with self._lock:
             self.checked_reads += 1
             entry = self._last_write.get(id(obj))

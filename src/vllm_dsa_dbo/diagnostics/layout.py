@@ -20,6 +20,7 @@ from typing import Any
 GROUPS = "logical top-k buffer, and per index group with followers its physical top-k"
 LOGICAL = "logical top-k buffer only (followers build private single-layer groups)"
 REFUSED = "refused under DBO"
+MODEL_WIDE = "each model-wide buffer a layer reads from another (top-k, candidate blocks)"
 UNSHARED = "nothing: every sparse layer runs its own indexer"
 
 # No model has more; a bound keeps a mistyped count from running for hours.
@@ -72,9 +73,10 @@ CODE_PATHS: dict[str, dict[str, CodePath]] = {
         "cuda": CodePath("vllm/models/hy_v4/nvidia", "hy_v4", LOGICAL),
         "rocm": CodePath("vllm/models/hy_v4/amd", "hy_v4", REFUSED),
     },
-    "DeepseekV41ForCausalLM": _on_both(
-        CodePath("vllm/models/deepseek_v41", "deepseek_v41", REFUSED)
-    ),
+    "DeepseekV41ForCausalLM": {
+        "cuda": CodePath("vllm/models/deepseek_v41/nvidia", "deepseek_v41", MODEL_WIDE),
+        "rocm": CodePath("vllm/models/deepseek_v41/amd", "deepseek_v41", REFUSED),
+    },
     "MiniMaxM3SparseForCausalLM": _MINIMAX_M3,
     "MiniMaxM3SparseForConditionalGeneration": _MINIMAX_M3,
     "Glm5NextForCausalLM": _GLM5_NEXT,
@@ -98,6 +100,9 @@ class Layout:
     # Index groups that read another layer's top-k, as the startup line counts them.
     groups_with_followers: int
     notes: list[str]
+    # (name, int32 columns) of each `max_num_batched_tokens`-row buffer copied on a
+    # MODEL_WIDE path.
+    buffers: tuple[tuple[str, int], ...] = ()
 
     @property
     def refused_under_dbo(self) -> bool:
@@ -280,33 +285,52 @@ def _hy_v4_roles(text: dict) -> tuple[list[int], list[int], list[str]]:
 
 
 def _deepseek_v41_layers(text: dict) -> list[SimpleNamespace]:
-    """Each layer's top-k hand-off attributes as `DeepseekV4Attention.__init__` sets them."""
+    """Each layer's top-k hand-off attributes as `DeepseekV4Attention.__init__` sets
+    them (truthy stand-ins for its indexer and `DeepseekV4Model`'s candidate buffer)."""
     ratios = text.get("compress_ratios") or []
     sources = text.get("index_source_layer_ids") or []
-    candidates = text.get("candidate_source_layer_id", -1) >= 0 and text.get(
-        "candidate_topk_blocks", 0
-    ) > 0
+    candidate_source = text.get("candidate_source_layer_id", -1)
+    candidates = candidate_source >= 0 and text.get("candidate_topk_blocks", 0) > 0
     layers = []
     for i in range(text["num_hidden_layers"]):
         compressed = i < len(ratios) and ratios[i] > 0
         layers.append(SimpleNamespace(
             layer_id=i,
             index_source_layer_id=max(s for s in sources if s <= i) if compressed else None,
+            candidate_source_layer=candidate_source,
+            indexer=True if i in sources else None,
+            topk_indices_buffer=None,
             candidate_block_buffer=True if candidates else None,
         ))
     return layers
 
 
-def _cross_layer_followers(layers: list[Any]) -> tuple[list[int], list[str]]:
-    """The layers the loader refuses under DBO, for models whose layers hand
-    top-k outside index groups."""
+def _deepseek_v41_buffers(
+    text: dict, layers: list[SimpleNamespace]
+) -> tuple[tuple[tuple[str, int], ...], list[str]]:
+    """The buffers `deepseek_v41_model` copies for `layers`, and who reads the candidates."""
+    from vllm_dsa_dbo.patches.deepseek_v41_model import hand_offs
+
+    reusing, readers = hand_offs(layers)
+    buffers = []
+    if reusing:
+        buffers.append(("top-k buffer", text["index_topk"]))
+    notes = []
+    if readers:
+        buffers.append(("candidate-block buffer", text.get("candidate_topk_blocks", 0)))
+        notes.append(
+            f"candidate_source_layer_id: the indexers of layers {' '.join(map(str, readers))} "
+            f"mask their scores with layer {text['candidate_source_layer_id']}'s candidate blocks"
+        )
+    return tuple(buffers), notes
+
+
+def _cross_layer_followers(layers: list[Any]) -> list[int]:
+    """The layers that read top-k state another layer wrote outside index groups,
+    by the loader's rule (refused under DBO where nothing copies it)."""
     from vllm_dsa_dbo.diagnostics.refusals import hands_topk_outside_index_groups
 
-    followers = [i for i, m in enumerate(layers) if hands_topk_outside_index_groups(m)]
-    notes = []
-    if any(getattr(m, "candidate_block_buffer", None) is not None for m in layers):
-        notes.append("candidate_source_layer_id: later indexers read that layer's candidate blocks")
-    return followers, notes
+    return [i for i, m in enumerate(layers) if hands_topk_outside_index_groups(m)]
 
 
 def _minimax_m3_layers(text: dict) -> list[SimpleNamespace]:
@@ -323,6 +347,7 @@ def layout(path: CodePath, text: dict) -> Layout:
     leaders: list[int] | None = None
     followers: list[int] = []
     notes: list[str] = []
+    buffers: tuple[tuple[str, int], ...] = ()
     if path.rule == "dsa":
         mask = leader_mask(text)
         leaders = [i for i, lead in enumerate(mask) if lead]
@@ -336,9 +361,11 @@ def layout(path: CodePath, text: dict) -> Layout:
     elif path.rule == "hy_v4":
         leaders, followers, notes = _hy_v4_roles(text)
     elif path.rule == "deepseek_v41":
-        followers, notes = _cross_layer_followers(_deepseek_v41_layers(text))
+        layers = _deepseek_v41_layers(text)
+        followers = _cross_layer_followers(layers)
+        buffers, notes = _deepseek_v41_buffers(text, layers)
     elif path.rule == "minimax_m3":
-        followers, notes = _cross_layer_followers(_minimax_m3_layers(text))
+        followers = _cross_layer_followers(_minimax_m3_layers(text))
     if path.copies == GROUPS:
         groups = groups_with_followers([i not in followers for i in range(num_layers)])
     else:
@@ -352,6 +379,7 @@ def layout(path: CodePath, text: dict) -> Layout:
         followers=followers,
         groups_with_followers=groups,
         notes=notes,
+        buffers=buffers,
     )
 
 

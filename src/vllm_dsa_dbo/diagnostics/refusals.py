@@ -15,16 +15,16 @@ def hands_topk_outside_index_groups(module: Any) -> bool:
     """A layer that reads top-k state another layer wrote, outside vLLM's
     index groups, in a model-wide buffer the microbatches share.
 
-    DeepSeek-V4.1: a layer that is no index source reuses an index source's
-    top-k, and indexers mask their scores with the candidate blocks of
-    `candidate_source_layer_id` (vllm PR #56476). MiniMax-M3 on ROCm with
-    `use_index_cache`: a `skip_index_topk` layer reuses the previous one's.
+    DeepSeek-V4.1 (unless deepseek_v41_model gave the buffers per-microbatch
+    copies, as on CUDA): a layer that is no index source reuses an index
+    source's top-k, and indexers mask their scores with the candidate blocks
+    of `candidate_source_layer_id`. MiniMax-M3 on ROCm with `use_index_cache`:
+    a `skip_index_topk` layer reuses the previous one's.
     """
-    source = getattr(module, "index_source_layer_id", None)
-    return (
-        getattr(module, "skip_index_topk", False) is True
-        or getattr(module, "candidate_block_buffer", None) is not None
-        or (source is not None and source != getattr(module, "layer_id", source))
+    from vllm_dsa_dbo.patches import deepseek_v41_model
+
+    return getattr(module, "skip_index_topk", False) is True or (
+        deepseek_v41_model.unwired_hand_off(module)
     )
 
 
@@ -70,9 +70,11 @@ def check_wired(model: Any, num_ubatches: int = 1) -> None:
         raise ValueError(
             f"vllm-dsa-dbo: {type(model).__name__} hands top-k (or candidate blocks) "
             "from one layer to later layers in buffers that are not index groups "
-            "(DeepSeek-V4.1 index_source_layer_ids / candidate_source_layer_id, "
-            "MiniMax-M3 use_index_cache on ROCm), which the plugin does not keep "
-            "per microbatch. With dual batch overlap those layers would read the "
+            "(DeepSeek-V4.1 index_source_layer_ids / candidate_source_layer_id on "
+            "ROCm, vllm/models/deepseek_v41/amd; MiniMax-M3 use_index_cache on ROCm), "
+            "which the plugin does not keep per microbatch (it does for DeepSeek-V4.1 "
+            "on CUDA, vllm/models/deepseek_v41/nvidia). With dual batch overlap "
+            "those layers would read the "
             "other microbatch's selection. Drop --enable-dbo (and --ubatch-size) "
             "for this model."
         )

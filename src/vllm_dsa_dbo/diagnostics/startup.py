@@ -13,7 +13,9 @@ def describe(model: Any) -> str | None:
     """The startup line for `model`, or None when the fix allocated nothing."""
     copied = [g for g in index_groups(model) if has_logical_copies(g)]
     if not copied:
-        return None
+        from vllm_dsa_dbo.patches import deepseek_v41_model
+
+        return deepseek_v41_model.describe(model)
     followed = followed_groups(copied)
     allocated = ubatch_topk_bytes(copied)
     copied_ids = {id(g) for g in copied}

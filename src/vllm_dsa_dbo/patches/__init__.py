@@ -42,12 +42,18 @@ PATCH_MODULES = (
     "hy_v4_model",
     "rocm_dsa_attention",
     "rocm_dsa_model",
+    "deepseek_v41_attention",
+    "deepseek_v41_model",
     "base_loader",
     "tensorizer",
 )
 
 # The isolation checker's, applied by `diagnostics.isolation.install` after the fix's.
-CHECK_PATCH_MODULES = ("isolation_sparse_mla_attention", "isolation_index_group")
+CHECK_PATCH_MODULES = (
+    "isolation_sparse_mla_attention",
+    "isolation_index_group",
+    "isolation_deepseek_v41_attention",
+)
 
 # With these in force every model build is checked at load; without, the guard refuses.
 LOAD_CHECK_MODULES = frozenset({"base_loader", "tensorizer"})

@@ -32,16 +32,17 @@ PATCH = Patch(
         "refuses, under DBO, a model whose followers would read shared top-k "
         "state (leaders not wired to the per-microbatch buffers, followers in "
         "private groups nothing wired, followers of a sparse MLA backend without "
-        "index groups (XPU_MLA_SPARSE), groups a patch left unapplied, or "
-        "DeepSeek-V4.1 / MiniMax-M3 ROCm "
+        "index groups (XPU_MLA_SPARSE), groups a patch left unapplied, "
+        "DeepSeek-V4.1 buffers without per-microbatch copies, or MiniMax-M3 ROCm "
         "cross-layer index buffers), else logs one INFO line with the microbatch "
-        "count, the index groups with followers, the bytes allocated and the "
-        "sparse MLA backend, and nothing when nothing was allocated."
+        "count, the index groups with followers (or V4.1's copied buffers), the "
+        "bytes allocated and the sparse MLA backend, and nothing when nothing was "
+        "allocated."
     ),
     upstream=(
         "none for the log line; the refusals stand in for fixes PR #60734 does "
         "not make (the deepseek_v2 path on ROCm, HYV4 on ROCm, XPU_MLA_SPARSE) "
-        "and for PR #56476 (DeepSeek-V4.1)"
+        "and, on ROCm, for PR #56476 (DeepSeek-V4.1)"
     ),
     remove_when="with the other patches (the vLLM release that merges PR #60734)",
 )
