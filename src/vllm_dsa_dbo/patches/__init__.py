@@ -1,9 +1,9 @@
 """The vLLM 0.33.0 seams this plugin patches, one module per patched vLLM module.
 
-Each patch module opens with `PATCH`, its metadata as data (the target's symbols
-it sets, Why, How, Upstream, Remove when), and defines `apply(target)`. It may define `REQUIRES`, the
-patches it is wrong without, and `check(target)`, which tells what of the
-vLLM internals it relies on differs here. `status`, docs and tests read
+Each patch module opens with `PATCH`, its metadata as data (the target's
+symbols it sets, Why, How, Upstream, Remove when), and defines `apply(target)`.
+It may define `REQUIRES`, the patches it is wrong without, and `check(target)`,
+which tells what of the vLLM internals it relies on differs here. `status`, docs and tests read
 `PATCH` from here; nothing keeps a second list by hand.
 """
 
