@@ -10,8 +10,6 @@ nanoseconds per access.
 
 from __future__ import annotations
 
-import vllm_dsa_dbo.cpu_dbo as cpu_dbo  # noqa: I001  (sets Triton's env before vLLM)
-
 import argparse
 import json
 import platform
@@ -19,8 +17,14 @@ import statistics
 import sys
 import time
 
-import torch
-import vllm
+from vllm_dsa_dbo.testing import use_cpu
+
+use_cpu()  # before vLLM is imported
+
+import torch  # noqa: E402
+import vllm  # noqa: E402
+
+from vllm_dsa_dbo.testing import cpu_dbo  # noqa: E402
 
 ACCESSES = 20_000
 REPEATS = 41
@@ -57,7 +61,7 @@ def measure(stack) -> dict[str, float]:
 
 
 def measure_everywhere(num_ubatches: int | None) -> dict[str, dict[str, float]]:
-    from vllm_dsa_dbo.demo import SharedTopkStack
+    from vllm_dsa_dbo.testing.stack import SharedTopkStack
 
     stack = SharedTopkStack([True, True, False], num_ubatches)
     results = {"outside microbatch threads": measure(stack)}

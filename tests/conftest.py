@@ -1,7 +1,11 @@
-# Sets Triton's environment before anything imports vLLM (see its docstring).
-import vllm_dsa_dbo.cpu_dbo as cpu_dbo  # noqa: I001
-
 import pytest
+
+from vllm_dsa_dbo.testing import use_cpu
+
+# Before anything imports vLLM.
+use_cpu()
+
+from vllm_dsa_dbo.testing import cpu_dbo  # noqa: E402
 
 
 @pytest.fixture(scope="session")

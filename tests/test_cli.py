@@ -12,9 +12,9 @@ import pytest
 import torch.nn as nn
 
 import forkserver
-from vllm_dsa_dbo.demo import SharedTopkStack, attention_module
-from vllm_dsa_dbo.layout import leader_mask
-from vllm_dsa_dbo.ubatch_topk import ubatch_topk_bytes
+from vllm_dsa_dbo.testing.stack import SharedTopkStack, attention_module
+from vllm_dsa_dbo.diagnostics.accounting import ubatch_topk_bytes
+from vllm_dsa_dbo.diagnostics.layout import leader_mask
 
 
 def cli(*args: str, **env: str) -> subprocess.CompletedProcess:
@@ -67,7 +67,7 @@ OFF_SPELLINGS = ("", "0", "off", "OFF", "false", "no", "none", " 0 ")
 @pytest.mark.parametrize("value", OFF_SPELLINGS)
 def test_off_spellings_mean_off(monkeypatch, value):
     from vllm_dsa_dbo import disabled_by_env
-    from vllm_dsa_dbo.isolation import mode_from_env
+    from vllm_dsa_dbo.diagnostics.isolation import mode_from_env
 
     monkeypatch.setenv("VLLM_DSA_DBO_CHECK", value)
     monkeypatch.setenv("VLLM_DSA_DBO_DISABLE", value)
@@ -85,7 +85,7 @@ def test_off_spellings_mean_off(monkeypatch, value):
 def test_env_values(monkeypatch, name, value, expected):
     """Known values parse; anything else is an EnvValueError naming the value (None here)."""
     from vllm_dsa_dbo import EnvValueError, disabled_by_env
-    from vllm_dsa_dbo.isolation import mode_from_env
+    from vllm_dsa_dbo.diagnostics.isolation import mode_from_env
 
     monkeypatch.setenv(name, value)
     parse = mode_from_env if name == "VLLM_DSA_DBO_CHECK" else disabled_by_env
@@ -313,7 +313,7 @@ def test_memory_command_follows_the_architecture(tmp_path, config, args, shown):
 
 
 def test_startup_line_names_what_was_allocated(fake_gpu):
-    from vllm_dsa_dbo.patches.base_loader import describe
+    from vllm_dsa_dbo.diagnostics.startup import describe
 
     stack = SharedTopkStack([True, True, False], num_ubatches=2)
     model = nn.ModuleList([attention_module(impl, stack.buffer) for impl in stack.impls])

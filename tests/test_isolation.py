@@ -55,14 +55,14 @@ def test_fix_gives_zero_violations():
 def test_off_by_default_installs_nothing(vllm_env):
     from vllm.v1.attention.backends.mla import index_group
 
-    from vllm_dsa_dbo import isolation
+    from vllm_dsa_dbo.diagnostics import isolation
 
     assert isolation.CHECKER is None
     assert index_group.SparseMLAIndexGroup._convert_once.__module__ == index_group.__name__
 
 
 def test_bad_mode_is_refused():
-    from vllm_dsa_dbo.isolation import IsolationChecker
+    from vllm_dsa_dbo.diagnostics.isolation import IsolationChecker
 
     with pytest.raises(ValueError, match="VLLM_DSA_DBO_CHECK must be one of"):
         IsolationChecker("loud")
@@ -71,7 +71,7 @@ def test_bad_mode_is_refused():
 def test_a_read_outside_a_forward_is_not_a_hand_off(vllm_env):
     from vllm.forward_context import ForwardContext, override_forward_context
 
-    from vllm_dsa_dbo.isolation import IsolationChecker, MicrobatchIsolationError
+    from vllm_dsa_dbo.diagnostics.isolation import IsolationChecker, MicrobatchIsolationError
 
     checker = IsolationChecker("raise")
     buffer = object()

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from test_plugin import run_python
+from vllm_dsa_dbo.diagnostics import refusals
 from vllm_dsa_dbo.patches import base_loader, deepseek_v41_attention, deepseek_v41_model
 from vllm_dsa_dbo.patches import index_group, sparse_attn_indexer
 from vllm_dsa_dbo.patches import sparse_mla_attention, tensorizer
@@ -124,9 +125,9 @@ def test_groups_no_patch_touched_are_refused_under_dbo():
     layer = nn.Module()
     layer.impl = SimpleNamespace(index_group=SimpleNamespace(num_layers=2, has_indexer=True))
     model = nn.ModuleList([layer])
-    base_loader.check_wired(model, num_ubatches=1)
+    refusals.check_wired(model, num_ubatches=1)
     with pytest.raises(ValueError, match="Drop --enable-dbo"):
-        base_loader.check_wired(model, num_ubatches=2)
+        refusals.check_wired(model, num_ubatches=2)
 
 
 def test_load_seam_signature_checks():
@@ -193,7 +194,7 @@ LOAD_GLM5_STACK = """
     from vllm.config import CompilationMode
     from vllm.model_executor.model_loader import utils
     from vllm_dsa_dbo import patches
-    from vllm_dsa_dbo.demo import SharedTopkStack, attention_module
+    from vllm_dsa_dbo.testing.stack import SharedTopkStack, attention_module
 
     print("UNAPPLIED", sorted(n for n, r in patches.wire(apply=False).items() if r))
 
@@ -218,14 +219,16 @@ LOAD_GLM5_STACK = """
 CPU_DBO = """
     import logging
     logging.basicConfig(level=logging.INFO)
-    import vllm_dsa_dbo.cpu_dbo as cpu_dbo
+    from vllm_dsa_dbo.testing import use_cpu
+    use_cpu()
+    from vllm_dsa_dbo.testing import cpu_dbo
 """
 REGISTER = """
     import vllm_dsa_dbo
     vllm_dsa_dbo.register()
 """
 BREAK_REGISTRY = """
-    import vllm_dsa_dbo.ubatch_topk
+    import vllm_dsa_dbo.core
     from vllm.v1.worker import ubatching
     ubatching._THREAD_ID_TO_CONTEXT = {}
 """

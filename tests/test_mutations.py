@@ -21,23 +21,24 @@ import vllm_dsa_dbo
 
 REPO = Path(__file__).resolve().parents[1]
 CORE_TEST = (
-    "tests/test_dbo_ubatch.py::test_dbo_ubatch_followers_read_their_own_leaders_topk"
+    "tests/test_core.py::test_dbo_ubatch_followers_read_their_own_leaders_topk"
 )
-HYV4_TEST = "tests/test_hy_v4.py::test_hy_v4_followers_read_their_own_leaders_topk"
-ROCM_TEST = "tests/test_rocm_dsa.py::test_rocm_dsa_followers_read_their_own_leaders_topk"
-COMPILED_TEST = "tests/test_deepseek_v2.py::test_compiled_dsa_followers_read_their_own_leaders_topk"
+HYV4_TEST = "tests/test_patch_hy_v4.py::test_hy_v4_followers_read_their_own_leaders_topk"
+ROCM_TEST = "tests/test_patch_rocm_dsa.py::test_rocm_dsa_followers_read_their_own_leaders_topk"
+COMPILED_TEST = "tests/test_patch_mla.py::test_compiled_dsa_followers_read_their_own_leaders_topk"
 V41_TEST = (
-    "tests/test_deepseek_v41.py::test_deepseek_v41_reusing_layers_read_their_own_ubatch_state"
+    "tests/test_patch_deepseek_v41.py::"
+    "test_deepseek_v41_reusing_layers_read_their_own_ubatch_state"
 )
-TRACED_TEST = "tests/test_deepseek_v2.py::test_traced_code_reads_microbatch_0s_group_state"
+TRACED_TEST = "tests/test_patch_mla.py::test_traced_code_reads_microbatch_0s_group_state"
 BACKENDS = "tests/test_sparse_mla_backends.py"
 BACKEND_TEST = f"{BACKENDS}::test_followers_read_their_own_leaders_topk"
 FA3_TEST = f"{BACKEND_TEST}[FLASH_ATTN_MLA_SPARSE-auto-decode-16h]"
 FLASHMLA_FP8_TEST = f"{BACKEND_TEST}[FLASHMLA_SPARSE-fp8_ds_mla-mixed-16h]"
 SM90_TEST = f"{BACKEND_TEST}[FLASHINFER_MLA_SPARSE_SM90-auto-mixed-16h]"
 XPU_TEST = f"{BACKENDS}::test_xpu_followers_share_one_buffer_and_are_refused"
-LOADER_TEST = "tests/test_loaders.py::test_refused_model_is_refused_whichever_loader_builds_it"
-ALIAS_TEST = "tests/test_loaders.py::test_loaders_imported_before_registration_get_the_check"
+LOADER_TEST = "tests/test_patch_base_loader.py::test_refused_model_is_refused_whichever_loader_builds_it"
+ALIAS_TEST = "tests/test_patch_base_loader.py::test_loaders_imported_before_registration_get_the_check"
 GUARD_TEST = (
     "tests/test_guard.py::test_other_version_refuses_dbo_with_shared_topk_and_runs_the_rest"
 )
@@ -63,6 +64,7 @@ UPSTREAM_REFUSAL_TEST = (
     f"{UPSTREAM}::test_tree_missing_a_place_is_refused_and_nothing_written[builder method renamed]"
 )
 UPSTREAM_DRY_RUN_TEST = f"{UPSTREAM}::test_diff_applies_with_git_and_dry_run_writes_nothing"
+RECORDS_TEST = "tests/test_patch_records.py::test_every_patch_lists_what_it_sets"
 
 MUTATIONS = {
     "index group always returns microbatch 0's state": (
@@ -76,6 +78,18 @@ MUTATIONS = {
         '    return resolve_logical_topk(getattr(self, "index_group", None), buffer)\n',
         "    return buffer\n",
         CORE_TEST,
+    ),
+    "leader layers never mark their group wired": (
+        "patches/deepseek_v32_attention.py",
+        "    call_after_init(target.DeepseekV32Attention, mark_wired)\n",
+        "    pass\n",
+        CORE_TEST,
+    ),
+    "a patch sets a symbol its record does not list": (
+        "patches/mla.py",
+        '    replaces=("MultiHeadLatentAttentionWrapper.__init__",),\n',
+        '    replaces=("MultiHeadLatentAttentionWrapper.forward",),\n',
+        RECORDS_TEST,
     ),
     "leader's writers not wired to the impl's buffer": (
         "patches/deepseek_v32_attention.py",
@@ -96,7 +110,7 @@ MUTATIONS = {
         HYV4_TEST,
     ),
     "indexer op writes microbatch 0's buffer (HYV4)": (
-        "ubatch_topk.py",
+        "patches/_private_groups.py",
         "            return resolve_logical_topk(self.index_group, self._topk_indices_buffer)\n",
         "            return self._topk_indices_buffer\n",
         HYV4_TEST,
@@ -114,13 +128,13 @@ MUTATIONS = {
         ROCM_TEST,
     ),
     "leaders' indexer ops not given their group (ROCm DSA)": (
-        "ubatch_topk.py",
+        "patches/_private_groups.py",
         "        op.index_group = group\n",
         "        pass\n",
         ROCM_TEST,
     ),
     "indexer op writes microbatch 0's buffer (ROCm DSA)": (
-        "ubatch_topk.py",
+        "patches/_private_groups.py",
         "            return resolve_logical_topk(self.index_group, self._topk_indices_buffer)\n",
         "            return self._topk_indices_buffer\n",
         ROCM_TEST,
@@ -132,7 +146,7 @@ MUTATIONS = {
         COMPILED_TEST,
     ),
     "indexer op body writes microbatch 0's buffer (compiled DSA)": (
-        "ubatch_topk.py",
+        "patches/sparse_attn_indexer.py",
         "        if _UBATCH_ID_OF_THREAD and INDEXER_OP_LEADERS:\n",
         "        if False:\n",
         COMPILED_TEST,
@@ -150,7 +164,7 @@ MUTATIONS = {
         TRACED_TEST,
     ),
     "extra microbatches wait on their own, never-recorded event (compiled DSA)": (
-        "ubatch_topk.py",
+        "patches/mla.py",
         "        state.logical_topk_ready = group.logical_topk_ready\n",
         "        pass\n",
         COMPILED_TEST,
@@ -211,7 +225,7 @@ MUTATIONS = {
         SM90_TEST,
     ),
     "followers without an index group loaded under DBO (XPU_MLA_SPARSE)": (
-        "patches/base_loader.py",
+        "diagnostics/refusals.py",
         "        ungrouped := [m for m in model.modules() if reads_topk_without_index_group(m)]\n",
         "        ungrouped := []\n",
         XPU_TEST,
@@ -269,7 +283,7 @@ MUTATIONS = {
         "tests/test_live_checks.py::test_op_body_check[other_cell]",
     ),
     "DeepSeek-V4.1 buffers without copies loaded under DBO (ROCm)": (
-        "patches/base_loader.py",
+        "diagnostics/refusals.py",
         "        deepseek_v41_model.unwired_hand_off(module)\n",
         "        False\n",
         "tests/test_cross_layer_refusal.py::"
@@ -298,11 +312,11 @@ MUTATIONS = {
         "patches/__init__.py",
         "        missing = [r for r in requires if result[r] is not None]\n",
         "        missing = []\n",
-        "tests/test_rocm_dsa.py::"
+        "tests/test_patch_rocm_dsa.py::"
         "test_rocm_patches_skipped_off_rocm_when_their_module_cannot_import",
     ),
     "vLLM's own groups (index_group unapplied) not refused": (
-        "patches/base_loader.py",
+        "diagnostics/refusals.py",
         "        return num_ubatches > 1 and reads_another_layers_topk(group)\n",
         "        return False\n",
         "tests/test_live_checks.py::test_groups_no_patch_touched_are_refused_under_dbo",
@@ -329,19 +343,19 @@ MUTATIONS = {
     "memory imports torch before it reads the config": (
         "cli.py",
         "    source, model = load_config(args)\n"
-        "    from vllm_dsa_dbo.ubatch_topk import ubatch_topk_bytes_per_extra_ubatch\n",
-        "    from vllm_dsa_dbo.ubatch_topk import ubatch_topk_bytes_per_extra_ubatch\n"
+        "    from vllm_dsa_dbo.diagnostics.accounting import ubatch_topk_bytes_per_extra_ubatch\n",
+        "    from vllm_dsa_dbo.diagnostics.accounting import ubatch_topk_bytes_per_extra_ubatch\n"
         "    source, model = load_config(args)\n",
         f"{BAD_CONFIG}[missing]",
     ),
     "memory leaves a string index_topk_freq to vLLM": (
-        "layout.py",
+        "diagnostics/layout.py",
         '        _whole(text, "index_topk_freq", 1, 1)\n',
         "        pass\n",
         f'{BAD_CONFIG}["index_topk_freq": "4"]',
     ),
     "memory sizes any architecture with index_topk": (
-        "layout.py",
+        "diagnostics/layout.py",
         "    if architecture not in CODE_PATHS:\n",
         "    if False:\n",
         f"{BAD_CONFIG}[not-dsa]",
@@ -353,7 +367,7 @@ MUTATIONS = {
         MEMORY_HYV4_TEST,
     ),
     "memory sizes DeepSeek-V4.1 on ROCm, which the loader refuses under DBO": (
-        "layout.py",
+        "diagnostics/layout.py",
         '        "rocm": CodePath("vllm/models/deepseek_v41/amd", "deepseek_v41", REFUSED),\n',
         '        "rocm": CodePath("vllm/models/deepseek_v41/amd", "deepseek_v41", MODEL_WIDE),\n',
         MEMORY_V41_ROCM_TEST,
@@ -439,8 +453,8 @@ def copy_package(root: Path) -> Path:
     "test",
     [CORE_TEST, HYV4_TEST, ROCM_TEST, COMPILED_TEST, FA3_TEST, XPU_TEST, V41_TEST,
      DEMO_RAISE_TEST, REGISTER_ENV_TEST, STATUS_ENV_TEST, f"{BAD_CONFIG}[not-dsa]",
-     MEMORY_HYV4_TEST, MEMORY_V41_TEST, AB_QUESTIONS_TEST, AB_TWO_RUNS_TEST, UPSTREAM_TEST,
-     UPSTREAM_CODE_TEST, UPSTREAM_REFUSAL_TEST, UPSTREAM_DRY_RUN_TEST],
+     MEMORY_HYV4_TEST, MEMORY_V41_TEST, AB_QUESTIONS_TEST, AB_TWO_RUNS_TEST, RECORDS_TEST,
+     UPSTREAM_TEST, UPSTREAM_CODE_TEST, UPSTREAM_REFUSAL_TEST, UPSTREAM_DRY_RUN_TEST],
     ids=str,
 )
 def test_core_test_passes_on_unmutated_copy(test, tmp_path):

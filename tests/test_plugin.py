@@ -49,7 +49,7 @@ RECORD_LOG = """
     logging.getLogger("vllm.dsa_dbo").addHandler(handler)
 """
 CHECKER = """
-    from vllm_dsa_dbo import isolation
+    from vllm_dsa_dbo.diagnostics import isolation
     print("CHECKER", isolation.CHECKER and isolation.CHECKER.mode)
     print("ERRORS", [r.getMessage() for r in records if r.levelname == "ERROR"])
 """

@@ -29,7 +29,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from vllm_dsa_dbo.demo import (
+from vllm_dsa_dbo.testing.stack import (
     BLOCK_SIZE,
     INDEX_TOPK,
     MAX_DECODE_ROWS,
@@ -319,7 +319,7 @@ class BackendStack:
         """One DBO step; the (layer, microbatch) reads that got another top-k."""
         from vllm.v1.worker.ubatching import dbo_yield
 
-        from vllm_dsa_dbo.cpu_dbo import run_dbo_step
+        from vllm_dsa_dbo.testing.cpu_dbo import run_dbo_step
 
         raw = {}
 
@@ -377,7 +377,7 @@ def test_xpu_followers_share_one_buffer_and_are_refused(sparse_env, monkeypatch)
 
 def load_refusal(model: nn.Module, num_ubatches: int) -> str:
     """The loader's refusal of `model`, or "" when it loads."""
-    from vllm_dsa_dbo.patches.base_loader import check_wired
+    from vllm_dsa_dbo.diagnostics.refusals import check_wired
 
     try:
         check_wired(model, num_ubatches)
@@ -387,7 +387,7 @@ def load_refusal(model: nn.Module, num_ubatches: int) -> str:
 
 
 def test_startup_line_names_the_sparse_mla_backend(sparse_env, monkeypatch):
-    from vllm_dsa_dbo.patches.base_loader import describe
+    from vllm_dsa_dbo.diagnostics.startup import describe
 
     stack = BackendStack(Variant("FLASH_ATTN_MLA_SPARSE"), monkeypatch)
     line = describe(nn.ModuleList(stack.attns))

@@ -74,7 +74,7 @@ def register() -> None:
 
 def _register(logger: Any) -> None:
     from vllm_dsa_dbo import guard
-    from vllm_dsa_dbo.isolation import install, mode_from_env
+    from vllm_dsa_dbo.diagnostics.isolation import install, mode_from_env
 
     try:
         check = mode_from_env()

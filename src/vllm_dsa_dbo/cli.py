@@ -10,6 +10,7 @@ import subprocess
 import sys
 from importlib.metadata import PackageNotFoundError, entry_points, version
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from vllm_dsa_dbo import (
     DISABLE_ENV,
@@ -18,7 +19,7 @@ from vllm_dsa_dbo import (
     disabled_by_env,
     is_supported_vllm,
 )
-from vllm_dsa_dbo.layout import (
+from vllm_dsa_dbo.diagnostics.layout import (
     GROUPS,
     LOGICAL,
     PLATFORMS,
@@ -28,6 +29,9 @@ from vllm_dsa_dbo.layout import (
     check_config,
     layout,
 )
+
+if TYPE_CHECKING:
+    from vllm_dsa_dbo.patches import Patch
 
 ENTRY_POINT_GROUP = "vllm.general_plugins"
 ENTRY_POINT_NAME = "dsa_dbo"
@@ -123,16 +127,26 @@ def status(args: argparse.Namespace) -> int:
             problems.append(f"{DISABLE_ENV} is set")
     print(check_line(errors))
 
-    from vllm_dsa_dbo.patches import LOAD_CHECK_MODULES, patch_modules, short_name, wire
+    from vllm_dsa_dbo.diagnostics.isolation import CHECK_ENV
+    from vllm_dsa_dbo.patches import (
+        CHECK_PATCH_MODULES,
+        LOAD_CHECK_MODULES,
+        patch_modules,
+        short_name,
+        wire,
+    )
 
     wiring = wire(apply=False) if vllm_version is not None and not problems else {}
     print("patches:")
     for module in patch_modules():
-        patch, name = module.PATCH, short_name(module)
-        print(f"  {patch.target}\n    how: {patch.how}\n    remove when: {patch.remove_when}")
+        print_patch(module.PATCH)
+        name = short_name(module)
         if wiring.get(name) is not None:
             print(f"    LEFT UNAPPLIED here: {wiring[name]}")
             problems.append(f"patch {name} is left unapplied")
+    print(f"isolation checker patches (only with {CHECK_ENV} set):")
+    for module in patch_modules(CHECK_PATCH_MODULES):
+        print_patch(module.PATCH)
     if any(wiring.get(name) is not None for name in LOAD_CHECK_MODULES):
         print(f"guard: DBO with a shared-top-k DSA model is refused at {guard_seam()}")
 
@@ -144,6 +158,11 @@ def status(args: argparse.Namespace) -> int:
         return 1
     print("fix active: vLLM will apply it in every process")
     return 0
+
+
+def print_patch(patch: Patch) -> None:
+    print(f"  {patch.target}: {', '.join(patch.replaces)}")
+    print(f"    how: {patch.how}\n    remove when: {patch.remove_when}")
 
 
 def guard_seam() -> str:
@@ -158,7 +177,7 @@ def env_shown(name: str) -> str:
 
 def check_line(errors: list[str]) -> str:
     """The status line for VLLM_DSA_DBO_CHECK; a value it does not know goes to `errors`."""
-    from vllm_dsa_dbo.isolation import CHECK_ENV, mode_from_env
+    from vllm_dsa_dbo.diagnostics.isolation import CHECK_ENV, mode_from_env
 
     try:
         mode = mode_from_env()
@@ -203,7 +222,7 @@ def read_json(path: Path) -> object:
 
 def memory(args: argparse.Namespace) -> int:
     source, model = load_config(args)
-    from vllm_dsa_dbo.ubatch_topk import ubatch_topk_bytes_per_extra_ubatch
+    from vllm_dsa_dbo.diagnostics.accounting import ubatch_topk_bytes_per_extra_ubatch
 
     followed = model.groups_with_followers
     max_decode_rows = min(
@@ -320,7 +339,7 @@ def demo(args: argparse.Namespace) -> int:
 
 def plugin_env() -> str | None:
     """The checker mode the plugin's environment asks for; UsageError for an unknown value."""
-    from vllm_dsa_dbo.isolation import mode_from_env
+    from vllm_dsa_dbo.diagnostics.isolation import mode_from_env
 
     try:
         disabled_by_env()

@@ -1,259 +1,20 @@
-"""One DBO step through a GLM-5-shaped stack of vLLM's real sparse MLA layers, on a CPU.
-
-Each leader writes a logical top-k that is unique to its layer and microbatch;
-each layer then reads its top-k the way the attention does (logical buffer,
-then the group's converted physical top-k). Comparing what was read with what
-every leader wrote tells whose top-k each follower attended over.
+"""`vllm-dsa-dbo demo`: one DBO step through vLLM's real sparse MLA layers on a
+CPU, as vLLM 0.33.0 ships (`--phase stock`) or with the fix (`--phase fixed`).
 
     python -m vllm_dsa_dbo.demo --phase stock|fixed
 """
 
 from __future__ import annotations
 
-import vllm_dsa_dbo.cpu_dbo as cpu_dbo  # noqa: I001  (sets Triton's env before vLLM)
-
 import argparse
 import sys
-from dataclasses import dataclass
-from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
-import torch
-import torch.nn as nn
-
-from vllm.model_executor.layers.attention.sparse_mla_attention import (
-    SparseMLACommonImpl,
-)
-from vllm.models.deepseek_v32.attention import DeepseekV32Attention
-from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroupBuilder
-from vllm.v1.attention.backends.mla.sparse_utils import (
-    triton_convert_req_index_to_global_index,
-)
-from vllm.v1.worker.ubatching import dbo_yield
 from vllm_dsa_dbo.cli import DEMO_CROSSED
-from vllm_dsa_dbo.layout import leader_mask
+from vllm_dsa_dbo.testing import use_cpu
 
-INDEX_TOPK = 128
-BLOCK_SIZE = 64
-MAX_NUM_BATCHED_TOKENS = 32
-MAX_DECODE_ROWS = 8
-# Different lengths and requests per microbatch, so a wrong read shows.
-TOKENS_PER_UBATCH = (6, 4)
-REQS_PER_UBATCH = (2, 3)
-
-
-@dataclass(frozen=True)
-class Source:
-    """The leader write a read came from."""
-
-    ubatch: int
-    leader: int
-
-    def __str__(self) -> str:
-        return f"microbatch {self.ubatch}, leader {self.leader}"
-
-
-@dataclass(frozen=True)
-class Read:
-    """What one layer read in one microbatch, and whose it should have been."""
-
-    layer: int
-    ubatch: int
-    expected: Source
-    logical: Source | None
-    physical: Source | None
-
-    @property
-    def ok(self) -> bool:
-        return self.logical == self.physical == self.expected
-
-
-def make_impl(
-    builder: SparseMLAIndexGroupBuilder | None,
-    buffer: torch.Tensor,
-    leads: bool,
-    indexer: object | None = None,
-) -> SparseMLACommonImpl:
-    """A real sparse MLA impl registered in `builder` as the model's layers are
-    (no builder: the impl builds a private group, as HYV4's layers do)."""
-    return SparseMLACommonImpl(
-        num_heads=1,
-        head_size=576,
-        scale=1.0,
-        num_kv_heads=1,
-        alibi_slopes=None,
-        sliding_window=None,
-        kv_cache_dtype="auto",
-        logits_soft_cap=None,
-        attn_type="decoder",
-        kv_sharing_target_layer_name=None,
-        q_lora_rank=None,
-        kv_lora_rank=512,
-        qk_nope_head_dim=128,
-        qk_rope_head_dim=64,
-        qk_head_dim=192,
-        v_head_dim=128,
-        kv_b_proj=None,
-        # Leaders own an indexer; the impl then resolves the buffer through it.
-        indexer=indexer or (SimpleNamespace(topk_indices_buffer=buffer) if leads else None),
-        topk_indices_buffer=buffer,
-        index_group_builder=builder,
-    )
-
-
-def attention_module(impl: SparseMLACommonImpl, buffer: torch.Tensor) -> nn.Module:
-    """The `DeepseekV32Attention` state its leader writers take the buffer from:
-    what its `__init__` does with the buffer once the impl exists."""
-    attn = DeepseekV32Attention.__new__(DeepseekV32Attention)
-    nn.Module.__init__(attn)
-    attn.impl = impl
-    attn.topk_indices_buffer = buffer
-    return attn
-
-
-def metadata(ubatch: int, device: str = "cpu") -> SimpleNamespace:
-    g = torch.Generator().manual_seed(1000 + ubatch)
-    n, reqs = TOKENS_PER_UBATCH[ubatch], REQS_PER_UBATCH[ubatch]
-    return SimpleNamespace(
-        req_id_per_token=torch.randint(0, reqs, (n,), generator=g).int().to(device),
-        block_table=torch.randperm(64, generator=g)[: reqs * 4].view(reqs, 4).int().to(device),
-        block_size=BLOCK_SIZE,
-    )
-
-
-def logical_topk(source: Source, device: str = "cpu") -> torch.Tensor:
-    """A top-k unique to one leader in one microbatch (-1 marks unused slots)."""
-    g = torch.Generator().manual_seed(source.ubatch * 100 + source.leader)
-    n = TOKENS_PER_UBATCH[source.ubatch]
-    logical = torch.randint(0, 4 * BLOCK_SIZE, (n, INDEX_TOPK), generator=g)
-    logical[torch.rand(n, INDEX_TOPK, generator=g) < 0.2] = -1
-    return logical.int().to(device)
-
-
-def physical_topk(source: Source, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """What vLLM's conversion kernel makes of `source`'s top-k, with its counts."""
-    meta = metadata(source.ubatch, device)
-    return triton_convert_req_index_to_global_index(
-        meta.req_id_per_token,
-        meta.block_table,
-        logical_topk(source, device),
-        BLOCK_SIZE=BLOCK_SIZE,
-        NUM_TOPK_TOKENS=INDEX_TOPK,
-        return_valid_counts=True,
-    )
-
-
-def step_inputs(
-    leaders: list[bool], device: str = "cpu"
-) -> tuple[dict[tuple[int, int], torch.Tensor], list[SimpleNamespace]]:
-    """Every leader's top-k and the metadata per microbatch, on the device up
-    front: the step itself copies nothing in."""
-    inputs = {
-        (u, i): logical_topk(Source(u, i), device)
-        for u in (0, 1)
-        for i, leads in enumerate(leaders)
-        if leads
-    }
-    return inputs, [metadata(u, device) for u in (0, 1)]
-
-
-class SharedTopkStack:
-    """Sparse MLA layers sharing one top-k builder, as `DeepseekV32Model` builds them.
-
-    `num_ubatches=None` builds the stock way (vLLM 0.33.0's builder has no such
-    argument); with the fix applied it is the builder's microbatch count.
-    """
-
-    def __init__(
-        self, leaders: list[bool], num_ubatches: int | None, device: str = "cpu"
-    ) -> None:
-        self.leaders = leaders
-        self.device = device
-        self.buffer = torch.full(
-            (MAX_NUM_BATCHED_TOKENS, INDEX_TOPK), -1, dtype=torch.int32, device=device
-        )
-        kwargs = {} if num_ubatches is None else {"num_ubatches": num_ubatches}
-        self.builder = SparseMLAIndexGroupBuilder(self.buffer, MAX_DECODE_ROWS, **kwargs)
-        self.impls = [make_impl(self.builder, self.buffer, leads) for leads in leaders]
-        self.attns = [
-            attention_module(impl, self.buffer) if leads else None
-            for impl, leads in zip(self.impls, leaders)
-        ]
-        self.inputs, self.metadata = step_inputs(leaders, device)
-
-    def leader_of(self, layer: int) -> int:
-        return max(i for i in range(layer + 1) if self.leaders[i])
-
-    def _read(self, layer: int, ubatch: int) -> tuple[torch.Tensor, ...]:
-        """A sparse MLA impl's top-k reads, cloned at once."""
-        impl, n = self.impls[layer], TOKENS_PER_UBATCH[ubatch]
-        logical = impl.topk_indices_buffer[:n]
-        physical, counts = impl._convert_logical_to_physical_topk(
-            logical,
-            self.metadata[ubatch],
-            block_stride_rows=None,
-            return_valid_counts=True,
-        )
-        return logical.clone(), physical.clone(), counts.clone()
-
-    def lead(self, layer: int, logical: torch.Tensor) -> None:
-        """A leader's writes, into the buffer its attention module hands
-        fused_norm_rope and sparse_attn_indexer, then its ready event."""
-        self.attns[layer].topk_indices_buffer[: logical.shape[0]] = logical
-        self.impls[layer].record_logical_topk_ready()
-
-    def run_step(self, yield_from_layer: int = 0, stream: object = None) -> list[Read]:
-        """One DBO step: every layer in both microbatches, yielding after each
-        layer from `yield_from_layer` on (the MoE layers' dispatch/combine).
-        `stream`: a real CUDA compute stream, else the CPU stand-in."""
-        return self.classify(self.run_reads(yield_from_layer, stream))
-
-    def run_reads(
-        self, yield_from_layer: int = 0, stream: object = None
-    ) -> dict[tuple[int, int], tuple[torch.Tensor, ...]]:
-        """The step itself: what each (layer, microbatch) read."""
-        raw: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
-
-        def step(ubatch: int) -> None:
-            for layer, leads in enumerate(self.leaders):
-                if leads:
-                    self.lead(layer, self.inputs[ubatch, layer])
-                raw[layer, ubatch] = self._read(layer, ubatch)
-                if layer >= yield_from_layer:
-                    dbo_yield()
-
-        cpu_dbo.run_dbo_step(step, stream=stream)
-        return raw
-
-    def classify(self, raw: dict[tuple[int, int], tuple[torch.Tensor, ...]]) -> list[Read]:
-        """Whose write each read of `run_reads` matches, bit for bit."""
-        written = {
-            Source(u, i): (logical, *physical_topk(Source(u, i), self.device))
-            for (u, i), logical in self.inputs.items()
-        }
-
-        def match(read: tuple[torch.Tensor, ...], part: slice) -> Source | None:
-            return next(
-                (s for s, w in written.items() if all(map(_same, read[part], w[part]))),
-                None,
-            )
-
-        return [
-            Read(
-                layer=layer,
-                ubatch=u,
-                expected=Source(u, self.leader_of(layer)),
-                logical=match(raw[layer, u], slice(0, 1)),
-                # the converted rows and their valid counts
-                physical=match(raw[layer, u], slice(1, 3)),
-            )
-            for layer, u in sorted(raw)
-        ]
-
-
-def _same(read: torch.Tensor, written: torch.Tensor) -> bool:
-    """Bit-for-bit equal on the rows both have."""
-    rows = min(read.shape[0], written.shape[0])
-    return torch.equal(read[:rows], written[:rows])
+if TYPE_CHECKING:
+    from vllm_dsa_dbo.testing.stack import Read
 
 
 def report(reads: list[Read], leaders: list[bool]) -> list[str]:
@@ -270,21 +31,21 @@ def report(reads: list[Read], leaders: list[bool]) -> list[str]:
     return lines
 
 
-# GLM-5.x's shared top-k layout, 8 layers; 3 dense layers first, so the
-# first MoE yield follows layer 3.
-GLM5_LAYOUT = {"num_hidden_layers": 8, "index_topk_freq": 4, "index_skip_topk_offset": 3}
-FIRST_MOE_LAYER = 3
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--phase", choices=["stock", "fixed"], required=True)
     args = parser.parse_args(argv)
 
-    leaders = leader_mask(GLM5_LAYOUT)
+    use_cpu()
     import vllm_dsa_dbo
-    from vllm_dsa_dbo import isolation
+    from vllm_dsa_dbo.diagnostics import isolation
+    from vllm_dsa_dbo.diagnostics.layout import leader_mask
+    from vllm_dsa_dbo.testing import cpu_dbo
+    from vllm_dsa_dbo.testing.stack import FIRST_MOE_LAYER, GLM5_LAYOUT, SharedTopkStack
 
+    leaders = leader_mask(GLM5_LAYOUT)
     # As vLLM would: applies the fix unless VLLM_DSA_DBO_DISABLE is set, and
     # the isolation checker when VLLM_DSA_DBO_CHECK is.
     vllm_dsa_dbo.register()

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.compiler import is_dynamo_compiling
 
-from vllm_dsa_dbo.ubatch_topk import _UBATCH_ID_OF_THREAD
+from vllm_dsa_dbo.core import _UBATCH_ID_OF_THREAD
 
 # id(buffer) -> (buffer, its copies for microbatches 1..n-1). The buffer is
 # kept so its id is never reused while the entry lives.

@@ -9,8 +9,9 @@ def snapshot(worker) -> dict:
     import dsa_dbo_harness
     from vllm.v1.attention.backends.mla import index_group
 
-    from vllm_dsa_dbo import isolation
-    from vllm_dsa_dbo.ubatch_topk import followed_groups, index_groups, ubatch_topk_bytes
+    from vllm_dsa_dbo.diagnostics import isolation
+    from vllm_dsa_dbo.diagnostics.accounting import ubatch_topk_bytes
+    from vllm_dsa_dbo.diagnostics.groups import followed_groups, index_groups
 
     model = worker.model_runner.model
     groups = index_groups(model)
@@ -42,7 +43,7 @@ def snapshot(worker) -> dict:
 
 def sparse_mla_backends(model) -> dict[str, int]:
     """Layers per (attention backend, impl class) among the sparse MLA layers."""
-    from vllm_dsa_dbo.patches.base_loader import sparse_mla_backend
+    from vllm_dsa_dbo.diagnostics.refusals import sparse_mla_backend
 
     found: dict[str, int] = {}
     for module in model.modules():

@@ -1,9 +1,9 @@
 """The vLLM 0.33.0 seams this plugin patches, one module per patched vLLM module.
 
-Each patch module opens with `PATCH`, its metadata as data (Why, How, Upstream,
-Remove when), and defines `apply(target)`. It may define `REQUIRES`, the
-patches it is wrong without, and `check(target)`, which tells what of the
-vLLM internals it relies on differs here. `status`, docs and tests read
+Each patch module opens with `PATCH`, its metadata as data (the target's
+symbols it sets, Why, How, Upstream, Remove when), and defines `apply(target)`.
+It may define `REQUIRES`, the patches it is wrong without, and `check(target)`,
+which tells what of the vLLM internals it relies on differs here. `status`, docs and tests read
 `PATCH` from here; nothing keeps a second list by hand.
 """
 
@@ -23,6 +23,8 @@ class Patch:
     """Why a vLLM module is patched and when the patch can go."""
 
     target: str
+    # The target module's symbols `apply` sets, as `name` or `Class.attribute`.
+    replaces: tuple[str, ...]
     why: str
     how: str
     upstream: str
@@ -46,14 +48,22 @@ PATCH_MODULES = (
     "tensorizer",
 )
 
+# The isolation checker's, applied by `diagnostics.isolation.install` after the fix's.
+CHECK_PATCH_MODULES = (
+    "isolation_sparse_mla_attention",
+    "isolation_index_group",
+    "isolation_deepseek_v41_attention",
+)
+
 # With these in force every model build is checked at load; without, the guard refuses.
 LOAD_CHECK_MODULES = frozenset({"base_loader", "tensorizer"})
 
+# On each target module: the names of the patches applied to it.
 _APPLIED = "_vllm_dsa_dbo_patched"
 
 
-def patch_modules() -> list[ModuleType]:
-    return [importlib.import_module(f"{__name__}.{name}") for name in PATCH_MODULES]
+def patch_modules(names: tuple[str, ...] = PATCH_MODULES) -> list[ModuleType]:
+    return [importlib.import_module(f"{__name__}.{name}") for name in names]
 
 
 def call_after_init(cls: type, hook: Callable[[Any], None]) -> None:
@@ -65,7 +75,20 @@ def call_after_init(cls: type, hook: Callable[[Any], None]) -> None:
         stock_init(self, *args, **kwargs)
         hook(self)
 
+    __init__.after_init = hook
     cls.__init__ = __init__
+
+
+def run_after_init(instance: Any) -> None:
+    """The hooks `call_after_init` hung on `type(instance)`, for an instance
+    built without `__init__` (the CPU stack's attention modules)."""
+    init = type(instance).__init__
+    hooks = []
+    while hasattr(init, "after_init"):
+        hooks.append(init.after_init)
+        init = init.__wrapped__
+    for hook in reversed(hooks):
+        hook(instance)
 
 
 def replace_function(module: ModuleType, name: str, replacement: Callable) -> None:
@@ -92,7 +115,7 @@ def short_name(module: ModuleType) -> str:
     return module.__name__.rsplit(".", 1)[1]
 
 
-def wire(apply: bool) -> dict[str, str | None]:
+def wire(apply: bool, names: tuple[str, ...] = PATCH_MODULES) -> dict[str, str | None]:
     """Each patch that matters here, and why it is left unapplied (None: in force).
 
     A patch is left unapplied when its target does not import, its check
@@ -100,7 +123,7 @@ def wire(apply: bool) -> dict[str, str | None]:
     unapplied. `apply=False` only tells what applying would do.
     """
     result: dict[str, str | None] = {}
-    for module in patch_modules():
+    for module in patch_modules(names):
         name = short_name(module)
         try:
             target = importlib.import_module(module.PATCH.target)
@@ -114,7 +137,8 @@ def wire(apply: bool) -> dict[str, str | None]:
         requires = getattr(module, "REQUIRES", ())
         if any(r not in result for r in requires):  # needs a patch that does not matter here
             continue
-        if getattr(target, _APPLIED, False):
+        applied = getattr(target, _APPLIED, None) or ()
+        if name in applied:
             result[name] = None
             continue
         missing = [r for r in requires if result[r] is not None]
@@ -125,15 +149,15 @@ def wire(apply: bool) -> dict[str, str | None]:
                 reason = module.check(target) if hasattr(module, "check") else None
             if reason is None and apply:
                 module.apply(target)
-                setattr(target, _APPLIED, True)
+                setattr(target, _APPLIED, (*applied, name))
         except Exception as e:  # a vLLM that differs must not break register()
             reason = f"{type(e).__name__}: {e}"
         result[name] = reason
     return result
 
 
-def apply_all() -> set[str]:
-    """Apply every patch `wire` allows, once per process; returns those in force.
+def apply_all(names: tuple[str, ...] = PATCH_MODULES) -> set[str]:
+    """Apply every patch of `names` `wire` allows, once per process; returns those in force.
 
     Each patch left unapplied gets one warning naming why: the models that
     need it are then refused at load, never corrupted.
@@ -144,7 +168,7 @@ def apply_all() -> set[str]:
 
     logger = init_logger(LOGGER_NAME)
     applied = set()
-    for name, reason in wire(apply=True).items():
+    for name, reason in wire(apply=True, names=names).items():
         if reason is None:
             applied.add(name)
         else:

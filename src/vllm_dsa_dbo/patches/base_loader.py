@@ -9,18 +9,13 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from vllm_dsa_dbo.patches import Patch, deepseek_v41_model, replace_function
-from vllm_dsa_dbo.ubatch_topk import (
-    followed_groups,
-    has_logical_copies,
-    index_groups,
-    reads_another_layers_topk,
-    shares_topk_across_ubatches,
-    ubatch_topk_bytes,
-)
+from vllm_dsa_dbo.diagnostics.refusals import check_wired
+from vllm_dsa_dbo.diagnostics.startup import describe
+from vllm_dsa_dbo.patches import Patch, replace_function
 
 PATCH = Patch(
     target="vllm.model_executor.model_loader.utils",
+    replaces=("initialize_model",),
     why=(
         "An operator cannot see from the logs whether the fix is active for a model "
         "or what it costs; and models whose leaders write the top-k outside "
@@ -51,114 +46,6 @@ PATCH = Patch(
     ),
     remove_when="with the other patches (the vLLM release that merges PR #60734)",
 )
-
-
-def hands_topk_outside_index_groups(module: Any) -> bool:
-    """A layer that reads top-k state another layer wrote, outside vLLM's
-    index groups, in a model-wide buffer the microbatches share.
-
-    DeepSeek-V4.1 (unless deepseek_v41_model gave the buffers per-microbatch
-    copies, as on CUDA): a layer that is no index source reuses an index
-    source's top-k, and indexers mask their scores with the candidate blocks
-    of `candidate_source_layer_id`. MiniMax-M3 on ROCm with `use_index_cache`:
-    a `skip_index_topk` layer reuses the previous one's.
-    """
-    return getattr(module, "skip_index_topk", False) is True or (
-        deepseek_v41_model.unwired_hand_off(module)
-    )
-
-
-def reads_topk_without_index_group(module: Any) -> bool:
-    """A follower's sparse MLA impl that reads the model-wide logical top-k with
-    no index group to resolve it per microbatch (XPU_MLA_SPARSE builds none)."""
-    from vllm.model_executor.layers.attention.sparse_mla_attention import (
-        SharedTopkIndicesBuffer,
-    )
-
-    impl = getattr(module, "impl", None)
-    return (
-        isinstance(impl, SharedTopkIndicesBuffer)
-        and getattr(impl, "index_group", None) is None
-        and impl.topk_indices_buffer is not None
-        # MLAAttention keeps its layer's indexer: None on a follower.
-        and getattr(module, "indexer", False) is None
-    )
-
-
-def sparse_mla_backend(module: Any) -> str:
-    """vLLM's name for the backend of `module`'s impl, as `--attention-backend` takes it."""
-    backend = getattr(module, "attn_backend", None)
-    return type(module.impl).__name__ if backend is None else backend.get_name()
-
-
-def check_wired(model: Any, num_ubatches: int = 1) -> None:
-    """Refuse DBO for a model whose leaders write the shared top-k elsewhere."""
-    if num_ubatches > 1 and (
-        ungrouped := [m for m in model.modules() if reads_topk_without_index_group(m)]
-    ):
-        raise ValueError(
-            f"vllm-dsa-dbo: {type(model).__name__} shares top-k between layers, but its "
-            f"sparse MLA backend {sparse_mla_backend(ungrouped[0])} keeps no index "
-            "groups: every follower layer reads the one model-wide top-k buffer in "
-            "every microbatch, so with dual batch overlap it would read the other "
-            "microbatch's top-k. Drop --enable-dbo (and --ubatch-size), or on CUDA "
-            "leave --attention-backend unset or pick FLASH_ATTN_MLA_SPARSE, "
-            "FLASHMLA_SPARSE or FLASHINFER_MLA_SPARSE_SM90 (Hopper), "
-            "FLASHINFER_MLA_SPARSE or FLASH_ATTN_MLA_SPARSE_FA4 (Blackwell)."
-        )
-    if num_ubatches > 1 and any(hands_topk_outside_index_groups(m) for m in model.modules()):
-        raise ValueError(
-            f"vllm-dsa-dbo: {type(model).__name__} hands top-k (or candidate blocks) "
-            "from one layer to later layers in buffers that are not index groups "
-            "(DeepSeek-V4.1 index_source_layer_ids / candidate_source_layer_id on "
-            "ROCm, vllm/models/deepseek_v41/amd; MiniMax-M3 use_index_cache on ROCm), "
-            "which the plugin does not keep per microbatch (it does for DeepSeek-V4.1 "
-            "on CUDA, vllm/models/deepseek_v41/nvidia). With dual batch overlap "
-            "those layers would read the "
-            "other microbatch's selection. Drop --enable-dbo (and --ubatch-size) "
-            "for this model."
-        )
-    if any(left_shared(g, num_ubatches) for g in index_groups(model)):
-        raise ValueError(
-            f"vllm-dsa-dbo: {type(model).__name__} shares top-k between layers "
-            "(index_topk_freq > 1 or an index_topk_pattern), but on this code path "
-            "its leader layers write the top-k without going through the "
-            "per-microbatch buffers (covered: vLLM's DeepSeek-V3.2 / GLM-5 paths, "
-            "vllm/models/deepseek_v32/nvidia and amd, HYV4 on CUDA, "
-            "vllm/models/hy_v4/nvidia, and the compiled deepseek_v2 / glm4_moe_lite "
-            "DSA path on CUDA). With dual batch "
-            "overlap its followers would read the other microbatch's top-k "
-            "(where a vllm-dsa-dbo patch was left unapplied, a warning at startup "
-            "and `vllm-dsa-dbo status` say why). "
-            "Drop --enable-dbo (and --ubatch-size) for this model."
-        )
-
-
-def left_shared(group: Any, num_ubatches: int) -> bool:
-    """`shares_topk_across_ubatches`, also for a group of vLLM's own (index_group unapplied)."""
-    if not hasattr(group, "ubatch_topk_states"):
-        return num_ubatches > 1 and reads_another_layers_topk(group)
-    return shares_topk_across_ubatches(group)
-
-
-def describe(model: Any) -> str | None:
-    """The startup line for `model`, or None when the fix allocated nothing."""
-    copied = [g for g in index_groups(model) if has_logical_copies(g)]
-    if not copied:
-        return deepseek_v41_model.describe(model)
-    followed = followed_groups(copied)
-    allocated = ubatch_topk_bytes(copied)
-    copied_ids = {id(g) for g in copied}
-    backends = sorted({
-        sparse_mla_backend(m) for m in model.modules()
-        if id(getattr(getattr(m, "impl", None), "index_group", None)) in copied_ids
-    })
-    return (
-        f"vllm-dsa-dbo: {type(model).__name__} keeps shared top-k per DBO microbatch: "
-        f"{len(copied[0].ubatch_logical_topk.buffers) + 1} microbatches, {len(followed)} index "
-        f"groups with followers, {allocated:,} bytes ({allocated / 2**20:.1f} MiB) allocated; "
-        f"sparse MLA backend {', '.join(backends)}"
-    )
 
 
 def check(target: ModuleType) -> str | None:

@@ -5,10 +5,14 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from vllm_dsa_dbo.patches import Patch
+from vllm_dsa_dbo.patches import Patch, call_after_init
 
 PATCH = Patch(
     target="vllm.models.deepseek_v32.attention",
+    replaces=(
+        "DeepseekV32Attention.__init__",
+        "DeepseekV32Attention.topk_indices_buffer",
+    ),
     why=(
         "DeepseekV32Attention keeps its own plain topk_indices_buffer attribute "
         "and hands it to the leader's writers (fused_norm_rope, "
@@ -18,8 +22,8 @@ PATCH = Patch(
     how=(
         "A class property topk_indices_buffer that reads and assigns the impl's "
         "property: writers and readers resolve the same buffer, and the MTP "
-        "proposer's re-pointing reaches the impl. Assigning it marks the impl's "
-        "index group as wired; only wired groups resolve per microbatch."
+        "proposer's re-pointing reaches the impl. After __init__ the layer marks "
+        "its impl's index group as wired; only wired groups resolve per microbatch."
     ),
     upstream=(
         "vllm PR #60734: the leader's writers take the buffer from "
@@ -37,10 +41,15 @@ def _get(self: Any) -> Any:
 
 def _set(self: Any, buffer: Any) -> None:
     self.impl.topk_indices_buffer = buffer
-    group = getattr(self.impl, "index_group", None)
+
+
+def mark_wired(attention: Any) -> None:
+    """The layer's writers take the buffer from its impl: its group may resolve it."""
+    group = getattr(attention.impl, "index_group", None)
     if group is not None:
         group.leader_writes_follow_impl = True
 
 
 def apply(target: ModuleType) -> None:
     target.DeepseekV32Attention.topk_indices_buffer = property(_get, _set)
+    call_after_init(target.DeepseekV32Attention, mark_wired)

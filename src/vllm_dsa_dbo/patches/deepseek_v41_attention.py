@@ -12,6 +12,13 @@ from vllm_dsa_dbo.ubatch_buffers import per_ubatch_buffers
 
 PATCH = Patch(
     target="vllm.models.deepseek_v41.attention",
+    replaces=(
+        "DeepseekV4Attention.topk_indices_buffer",
+        "DeepseekV4Attention.candidate_block_buffer",
+        "DeepseekV4Indexer.topk_indices_buffer",
+        "DeepseekV4Indexer.attn_cls",
+        "DeepseekV4Indexer.mqa_cls",
+    ),
     why=(
         "DeepSeek-V4.1 layers that are no index source reuse the top-k an index "
         "source wrote into the model-wide topk_indices_buffer, and its later "

@@ -14,6 +14,7 @@ from vllm_dsa_dbo.ubatch_buffers import add_ubatch_copies, stored_buffer, ubatch
 
 PATCH = Patch(
     target="vllm.models.deepseek_v41.nvidia.model",
+    replaces=("DeepseekV4Model.__init__",),
     why=(
         "DeepseekV4Model (CUDA) allocates one topk_indices_buffer and one "
         "candidate_block_buffer for all layers; under DBO each microbatch's "

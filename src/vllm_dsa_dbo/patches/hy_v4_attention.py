@@ -5,10 +5,11 @@ from __future__ import annotations
 from types import ModuleType
 
 from vllm_dsa_dbo.patches import Patch
-from vllm_dsa_dbo.ubatch_topk import per_ubatch_indexer_op
+from vllm_dsa_dbo.patches._private_groups import per_ubatch_indexer_op
 
 PATCH = Patch(
     target="vllm.models.hy_v4.nvidia.attention",
+    replaces=("SparseAttnIndexer",),
     why=(
         "A HYV4 leader's Indexer builds a SparseAttnIndexer op holding the "
         "model-wide logical top-k buffer, and the op hands that one tensor to "

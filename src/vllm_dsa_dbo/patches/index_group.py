@@ -12,6 +12,19 @@ from vllm_dsa_dbo.patches import Patch
 
 PATCH = Patch(
     target="vllm.v1.attention.backends.mla.index_group",
+    replaces=(
+        "SparseMLAIndexGroup.ubatch_topk_states",
+        "SparseMLAIndexGroup.ubatch_logical_topk",
+        "SparseMLAIndexGroup.leader_writes_follow_impl",
+        "SparseMLAIndexGroup.num_ubatches",
+        "SparseMLAIndexGroup._topk_state",
+        "SparseMLAIndexGroup.physical_topk_indices",
+        "SparseMLAIndexGroup.valid_topk_counts",
+        "SparseMLAIndexGroup.logical_topk_ready",
+        "SparseMLAIndexGroup.physical_topk_ready",
+        "SparseMLAIndexGroupBuilder.__init__",
+        "SparseMLAIndexGroupBuilder.register_layer",
+    ),
     why=(
         "SparseMLAIndexGroup holds one physical top-k, one valid-count buffer and "
         "two ready events per group; under DBO microbatch 1's leader overwrites "

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.platforms import current_platform
 
 from vllm_dsa_dbo.patches import Patch, call_after_init
-from vllm_dsa_dbo.ubatch_topk import share_logical_topk_ready, wire_indexer_op_leader
+from vllm_dsa_dbo.patches.sparse_attn_indexer import wire_indexer_op_leader
+
+if TYPE_CHECKING:
+    from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroup
 
 PATCH = Patch(
     target="vllm.model_executor.layers.mla",
+    replaces=("MultiHeadLatentAttentionWrapper.__init__",),
     why=(
         "MultiHeadLatentAttentionWrapper (the deepseek_v2 / glm4_moe_lite DSA "
         "layers, torch.compile'd) writes the leader's top-k through the "
@@ -31,6 +35,23 @@ PATCH = Patch(
 )
 
 REQUIRES = ("index_group", "sparse_mla_attention", "sparse_attn_indexer")
+
+
+def share_logical_topk_ready(group: SparseMLAIndexGroup) -> None:
+    """Every microbatch of `group` records and waits on the group's own
+    logical-ready event.
+
+    A compiled model records it from traced code
+    (`MultiHeadLatentAttentionWrapper.forward`), so the graph records the
+    event the tracer saw, microbatch 0's, in every microbatch; another
+    microbatch's own event would never be recorded and its wait would be a
+    no-op, racing the indexer. One event is enough: the microbatches share one
+    compute stream, and a leader records and waits within one layer, with no
+    yield in between, so the latest record always follows its own indexer.
+    Call it outside microbatches (at model build).
+    """
+    for state in group.ubatch_topk_states:
+        state.logical_topk_ready = group.logical_topk_ready
 
 
 def wire(wrapper: Any) -> None:

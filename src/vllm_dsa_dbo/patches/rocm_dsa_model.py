@@ -6,10 +6,11 @@ from types import ModuleType
 from typing import Any
 
 from vllm_dsa_dbo.patches import Patch, call_after_init
-from vllm_dsa_dbo.ubatch_topk import share_ubatch_logical_topk
+from vllm_dsa_dbo.patches._private_groups import share_ubatch_logical_topk
 
 PATCH = Patch(
     target="vllm.models.deepseek_v32.amd.model",
+    replaces=("DeepseekV32Model.__init__",),
     why=(
         "The ROCm DeepseekV32Model (GLM-5 / DeepSeek-V3.2 on ROCm) gives every "
         "layer one logical top-k buffer but no shared index-group builder: each "

@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from types import CellType, ModuleType
+from typing import TYPE_CHECKING, Any
 
+import torch
+
+from vllm.utils.torch_utils import _resolve_layer_name
+
+from vllm_dsa_dbo.core import _UBATCH_ID_OF_THREAD, resolve_logical_topk
 from vllm_dsa_dbo.patches import Patch
-from vllm_dsa_dbo.ubatch_topk import INDEXER_KERNEL_PARAMETERS, per_ubatch_indexer_kernel
+
+if TYPE_CHECKING:
+    from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroup
 
 PATCH = Patch(
     target="vllm.model_executor.layers.sparse_attn_indexer",
+    replaces=("sparse_attn_indexer",),
     why=(
         "In the torch.compile'd deepseek_v2 / glm4_moe_lite DSA path the leader's "
         "SparseAttnIndexer hands torch.ops.vllm.sparse_attn_indexer the model-wide "
@@ -32,6 +42,57 @@ PATCH = Patch(
 
 
 REQUIRES = ("index_group",)
+
+# Leaders whose logical top-k `torch.ops.vllm.sparse_attn_indexer` writes from
+# a torch.compile'd model, by the indexer's k-cache layer name: all the op body
+# sees of its caller.
+INDEXER_OP_LEADERS: dict[str, SparseMLAIndexGroup] = {}
+# The op body's parameters `per_ubatch_indexer_kernel` reads and replaces.
+INDEXER_KERNEL_PARAMETERS = ("k_cache_prefix", "topk_indices_buffer")
+
+
+def wire_indexer_op_leader(k_cache_prefix: str, group: SparseMLAIndexGroup) -> None:
+    """Let the indexer op of the leader at `k_cache_prefix` write through `group`."""
+    INDEXER_OP_LEADERS[k_cache_prefix] = group
+    group.leader_writes_follow_impl = True
+
+
+def per_ubatch_indexer_kernel(
+    kernel: Callable[..., torch.Tensor],
+) -> Callable[..., torch.Tensor]:
+    """`kernel`, the body of vLLM's sparse_attn_indexer op, writing the calling
+    microbatch's logical top-k for the leaders in `INDEXER_OP_LEADERS`.
+
+    A compiled model hands the op the buffer it was traced with, so only the
+    op body, which runs in the microbatch's thread (eagerly, at CUDA-graph
+    capture, and at piecewise replay), can choose. The buffer arrives as a
+    graph input, so it is matched by address, not identity.
+    """
+    names = list(inspect.signature(kernel).parameters)
+    prefix_at, buffer_at = (names.index(name) for name in INDEXER_KERNEL_PARAMETERS)
+
+    def argument(args: tuple, kwargs: dict, at: int) -> Any:
+        return args[at] if len(args) > at else kwargs[names[at]]
+
+    @functools.wraps(kernel)
+    def per_ubatch_kernel(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if _UBATCH_ID_OF_THREAD and INDEXER_OP_LEADERS:
+            prefix = _resolve_layer_name(argument(args, kwargs, prefix_at))
+            group = INDEXER_OP_LEADERS.get(prefix)
+            buffer = argument(args, kwargs, buffer_at)
+            if group is not None and _same_tensor(buffer, group.logical_topk_indices):
+                resolved = resolve_logical_topk(group, group.logical_topk_indices)
+                if len(args) > buffer_at:
+                    args = (*args[:buffer_at], resolved, *args[buffer_at + 1 :])
+                else:
+                    kwargs = {**kwargs, names[buffer_at]: resolved}
+        return kernel(*args, **kwargs)
+
+    return per_ubatch_kernel
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a is b or (a.data_ptr() == b.data_ptr() and a.shape == b.shape)
 
 
 def closure_cell(fn: Callable, name: str) -> CellType:

@@ -10,6 +10,7 @@ from vllm_dsa_dbo.core import _UBATCH_ID_OF_THREAD, resolve_logical_topk
 
 PATCH = Patch(
     target="vllm.model_executor.layers.attention.sparse_mla_attention",
+    replaces=("SharedTopkIndicesBuffer.topk_indices_buffer",),
     why=(
         "Every sparse MLA impl reads the model-wide logical top-k buffer through "
         "SharedTopkIndicesBuffer.topk_indices_buffer; under DBO both microbatches "

@@ -9,6 +9,7 @@ from vllm_dsa_dbo.patches.base_loader import checked_build, takes_vllm_config
 
 PATCH = Patch(
     target="vllm.model_executor.model_loader.tensorizer",
+    replaces=("init_tensorizer_model",),
     why=(
         "TensorizerLoader builds a vLLM-tensorized model with init_tensorizer_model, "
         "which calls the model class itself, not initialize_model: without this, "

@@ -1,31 +1,23 @@
-"""Run vLLM's DBO microbatch threads on a CPU, for the demo and the tests.
+"""Run vLLM's DBO microbatch threads on a CPU, for the demo, the benches and the tests.
 
 Everything here is vLLM's own code (microbatch contexts and threads, index
 groups, sparse MLA impls, the Triton top-k conversion under Triton's
-interpreter) except CUDA streams and events, which get CPU stand-ins.
-Import this module before vLLM: it sets the environment Triton needs.
+interpreter) except CUDA streams and events, which get CPU stand-ins. Call
+`vllm_dsa_dbo.testing.use_cpu()` before vLLM is imported.
 """
 
 from __future__ import annotations
 
-import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
-# The logical -> physical conversion is a Triton kernel: run it interpreted.
-os.environ.setdefault("TRITON_INTERPRET", "1")
-# vLLM swaps Triton for a placeholder on a host with no GPU driver, unless the
-# visible-device list is empty (as under Ray); empty it so the kernel is real.
-os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+import torch
 
-import socket  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Callable, Iterator  # noqa: E402
-from contextlib import contextmanager  # noqa: E402
-
-import torch  # noqa: E402
-
-from vllm.utils import torch_utils  # noqa: E402
-from vllm.v1.worker.ubatching import (  # noqa: E402
+from vllm.utils import torch_utils
+from vllm.v1.worker.ubatching import (
     dbo_current_ubatch_id,
     make_ubatch_contexts,
 )

@@ -30,7 +30,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_dsa_dbo.demo import TOKENS_PER_UBATCH, Source, logical_topk, metadata
+from vllm_dsa_dbo.testing.stack import TOKENS_PER_UBATCH, Source, logical_topk, metadata
 
 LEADERS = [True, True, False, False]
 INDEX_TOPK = 128
@@ -177,7 +177,7 @@ class ROCmDSAStep:
         """(layer, microbatch, expected, logical read's source, physical read's source)."""
         from vllm.v1.worker.ubatching import dbo_yield
 
-        from vllm_dsa_dbo.cpu_dbo import run_dbo_step
+        from vllm_dsa_dbo.testing.cpu_dbo import run_dbo_step
 
         raw = {}
 
@@ -206,7 +206,9 @@ def test_rocm_dsa_followers_read_their_own_leaders_topk(fake_gpu, monkeypatch):
     from vllm.models.deepseek_v32.amd.rocm import DeepseekV32MLAAttention
     from vllm.v1.attention.backends.mla.rocm_aiter_mla_sparse import ROCMAiterMLASparseImpl
 
-    from vllm_dsa_dbo.patches.base_loader import check_wired, describe
+    from vllm_dsa_dbo.diagnostics.refusals import check_wired
+
+    from vllm_dsa_dbo.diagnostics.startup import describe
 
     model = build_rocm_dsa_model(monkeypatch, fake_gpu, enable_dbo=True)
     step = ROCmDSAStep(model, monkeypatch)
@@ -230,7 +232,8 @@ def test_rocm_dsa_followers_read_their_own_leaders_topk(fake_gpu, monkeypatch):
 
 
 def test_rocm_dsa_without_dbo_allocates_nothing(fake_gpu, monkeypatch):
-    from vllm_dsa_dbo.patches.base_loader import check_wired, describe
+    from vllm_dsa_dbo.diagnostics.refusals import check_wired
+    from vllm_dsa_dbo.diagnostics.startup import describe
 
     model = build_rocm_dsa_model(monkeypatch, fake_gpu, enable_dbo=False)
     attns = [layer.self_attn for layer in model.layers]
@@ -243,7 +246,7 @@ def test_rocm_dsa_without_dbo_allocates_nothing(fake_gpu, monkeypatch):
 def test_rocm_dsa_unwired_followers_are_refused(fake_gpu, monkeypatch):
     """The ROCm DSA model as vLLM builds it, unwired: the loader refuses it under DBO."""
     from vllm_dsa_dbo.patches import rocm_dsa_model
-    from vllm_dsa_dbo.patches.base_loader import check_wired
+    from vllm_dsa_dbo.diagnostics.refusals import check_wired
 
     monkeypatch.setattr(rocm_dsa_model, "share_ubatch_logical_topk", lambda groups, leaders: None)
     model = build_rocm_dsa_model(monkeypatch, fake_gpu, enable_dbo=True)

@@ -5,7 +5,8 @@ read; `VLLM_DSA_DBO_CHECK=audit` logs each (writer, reader, state) once and
 counts every bad read, so it can audit vLLM's stock state with the fix
 disabled. Unset (the default), nothing is installed and nothing costs.
 
-Host-side bookkeeping only, at the three places the hand-off happens:
+Host-side bookkeeping only, at the three places the hand-off happens (the
+`patches/isolation_*` patches, applied only when the checker is on):
 - a leader's `record_logical_topk_ready()` writes the logical top-k buffer and
   its ready event;
 - a group's `_convert_once()` at layer 0 writes the physical top-k rows, the
@@ -25,11 +26,9 @@ the logical buffer's reads go unchecked; the physical state is checked.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import threading
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,108 +119,21 @@ class IsolationChecker:
 CHECKER: IsolationChecker | None = None
 
 
-def _state(group: Any) -> Any:
+def state_of(group: Any) -> Any:
     """The state this microbatch uses: the fix's copy, or stock vLLM's one."""
     return group._topk_state() if hasattr(group, "_topk_state") else group
 
 
 def install(mode: str) -> IsolationChecker:
-    """Wrap the hand-off points; once per process."""
+    """Hang a checker on the hand-off points (the patches in `CHECK_PATCH_MODULES`),
+    after the fix's patches; once per process."""
     global CHECKER
-    if CHECKER is not None:
-        return CHECKER
-    checker = IsolationChecker(mode)
+    if CHECKER is None:
+        from vllm_dsa_dbo.patches import CHECK_PATCH_MODULES, apply_all
 
-    from torch.compiler import is_dynamo_compiling
-    from vllm.model_executor.layers.attention import sparse_mla_attention
-    from vllm.v1.attention.backends.mla import index_group
-
-    impl_cls = sparse_mla_attention.SparseMLACommonImpl
-    stock_record = impl_cls.record_logical_topk_ready
-
-    def record_logical_topk_ready(self: Any) -> None:
-        stock_record(self)
-        if is_dynamo_compiling():  # traced once, not a run-time write
-            return
-        group = self.index_group
-        if group is not None and group.has_indexer and self.index_group_index == 0:
-            checker.write(
-                checker.layer(group, 0),
-                self.topk_indices_buffer,
-                _state(group).logical_topk_ready,
-            )
-
-    mixin = sparse_mla_attention.SharedTopkIndicesBuffer
-    stock_buffer = mixin.topk_indices_buffer
-
-    def topk_indices_buffer(self: Any) -> Any:
-        buffer = stock_buffer.fget(self)
-        group = getattr(self, "index_group", None)
-        index = getattr(self, "index_group_index", 0)
-        if group is not None and index > 0:
-            checker.read(checker.layer(group, index), "logical top-k", buffer)
-        return buffer
-
-    group_cls = index_group.SparseMLAIndexGroup
-    stock_convert = group_cls._convert_once
-
-    def _convert_once(self: Any, layer_index: int, logical_topk_indices: Any, *args: Any, **kwargs: Any) -> Any:
-        state = _state(self)
-        cached = logical_topk_indices.shape[0] <= state.physical_topk_indices.shape[0]
-        if cached and layer_index > 0:
-            layer = checker.layer(self, layer_index)
-            checker.read(layer, "physical top-k", state.physical_topk_indices)
-            checker.read(layer, "valid counts", state.valid_topk_counts)
-            checker.read(layer, "physical-ready event", state.physical_topk_ready)
-        out = stock_convert(self, layer_index, logical_topk_indices, *args, **kwargs)
-        if cached and layer_index == 0:
-            checker.write(
-                checker.layer(self, 0),
-                state.physical_topk_indices,
-                state.valid_topk_counts,
-                state.physical_topk_ready,
-            )
-        return out
-
-    impl_cls.record_logical_topk_ready = record_logical_topk_ready
-    mixin.topk_indices_buffer = property(topk_indices_buffer, stock_buffer.fset)
-    group_cls._convert_once = _convert_once
-    try:
-        from vllm.models.deepseek_v41.attention import DeepseekV4Attention as v41
-    except (ImportError, NotImplementedError):  # no V4.1 model can be built here either
-        pass
-    else:
-        v41._sparse_indexer_and_attn = checked_v41_layer(checker, v41._sparse_indexer_and_attn)
-    CHECKER = checker
-    return checker
-
-
-def checked_v41_layer(checker: IsolationChecker, stock: Callable[..., None]) -> Callable[..., None]:
-    """DeepSeek-V4.1's `_sparse_indexer_and_attn`, checking its hand-offs.
-
-    Before the layer runs: a layer reusing an index source's top-k reads the
-    top-k buffer, an indexer masking with earlier candidates reads the
-    candidate-block buffer. After it: an index source has written the top-k
-    (its indexer op, or the short-context fill before it), the candidate
-    source's op the candidates.
-    """
-    from vllm_dsa_dbo.patches.deepseek_v41_model import reads_candidates, reuses_topk
-
-    @functools.wraps(stock)
-    def _sparse_indexer_and_attn(self: Any, hidden_states: Any, index_q: Any, *args: Any) -> None:
-        layer = f"V4.1 layer {self.layer_id}"
-        if reuses_topk(self):
-            checker.read(layer, "V4.1 top-k", self.topk_indices_buffer)
-        if reads_candidates(self) and index_q is not None:
-            checker.read(layer, "V4.1 candidate blocks", self.candidate_block_buffer)
-        stock(self, hidden_states, index_q, *args)
-        if self.indexer is not None:
-            checker.write(layer, self.topk_indices_buffer)
-            writes = self.layer_id == self.candidate_source_layer and index_q is not None
-            if writes and self.candidate_block_buffer is not None:
-                checker.write(layer, self.candidate_block_buffer)
-
-    return _sparse_indexer_and_attn
+        CHECKER = IsolationChecker(mode)
+        apply_all(CHECK_PATCH_MODULES)
+    return CHECKER
 
 
 def mode_from_env() -> str | None:

@@ -1,19 +1,19 @@
-"""The GSM8K-format task and the tokenizer that validation/serve_ab.sh serves the tiny model with."""
+"""The GSM8K-format task and the tokenizer that serve_ab.sh serves the tiny model with.
+
+On CPU, in the README's test command (pyproject's testpaths), beside the harness it tests.
+"""
 
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
+
+from dsa_dbo_harness.model import CONFIG
+from dsa_dbo_harness.serve import task_texts, write_tokenizer
 
 from vllm_dsa_dbo.ab import prompts, read_docs
 
-VALIDATION = Path(__file__).resolve().parents[1] / "validation"
-TASK = VALIDATION / "gsm8k_local"
-sys.path.insert(0, str(VALIDATION))
-
-from dsa_dbo_harness.model import CONFIG  # noqa: E402
-from dsa_dbo_harness.serve import task_texts, write_tokenizer  # noqa: E402
+TASK = Path(__file__).resolve().parent / "gsm8k_local"
 
 
 def test_answers_are_right():

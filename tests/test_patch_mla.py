@@ -20,8 +20,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from vllm_dsa_dbo.cpu_dbo import FakeStream
-from vllm_dsa_dbo.demo import (
+from vllm_dsa_dbo.testing.cpu_dbo import FakeStream
+from vllm_dsa_dbo.testing.stack import (
     MAX_DECODE_ROWS,
     MAX_NUM_BATCHED_TOKENS,
     SharedTopkStack,
@@ -143,7 +143,8 @@ class CompiledStack(SharedTopkStack):
 
 
 def test_compiled_dsa_followers_read_their_own_leaders_topk(fake_gpu, monkeypatch):
-    from vllm_dsa_dbo.patches.base_loader import check_wired, describe
+    from vllm_dsa_dbo.diagnostics.refusals import check_wired
+    from vllm_dsa_dbo.diagnostics.startup import describe
 
     layers, buffer = build_layers(monkeypatch, fake_gpu, num_ubatches=2)
     stack = CompiledStack(layers, buffer, monkeypatch)
@@ -159,7 +160,8 @@ def test_compiled_dsa_followers_read_their_own_leaders_topk(fake_gpu, monkeypatc
 
 
 def test_compiled_dsa_without_dbo_allocates_nothing(fake_gpu, monkeypatch):
-    from vllm_dsa_dbo.patches.base_loader import check_wired, describe
+    from vllm_dsa_dbo.diagnostics.refusals import check_wired
+    from vllm_dsa_dbo.diagnostics.startup import describe
 
     layers, _ = build_layers(monkeypatch, fake_gpu, num_ubatches=1)
     check_wired(layers, num_ubatches=1)
@@ -168,7 +170,7 @@ def test_compiled_dsa_without_dbo_allocates_nothing(fake_gpu, monkeypatch):
 
 def test_compiled_dsa_off_cuda_is_refused(fake_gpu, monkeypatch):
     """Off CUDA (ROCm) the leader writes through another op: left unwired, refused."""
-    from vllm_dsa_dbo.patches.base_loader import check_wired
+    from vllm_dsa_dbo.diagnostics.refusals import check_wired
 
     layers, _ = build_layers(monkeypatch, fake_gpu, num_ubatches=2, platform="rocm")
     with pytest.raises(ValueError, match="Drop --enable-dbo"):
@@ -179,8 +181,8 @@ def test_traced_code_reads_microbatch_0s_group_state(fake_gpu):
     """vLLM compiles a model on its first forward, which under DBO runs in a
     microbatch thread: traced reads of the group's state must neither break
     the graph (fullgraph) on the thread lookup nor pick that microbatch's copy."""
-    from vllm_dsa_dbo.cpu_dbo import run_dbo_step
-    from vllm_dsa_dbo.demo import SharedTopkStack
+    from vllm_dsa_dbo.testing.cpu_dbo import run_dbo_step
+    from vllm_dsa_dbo.testing.stack import SharedTopkStack
 
     stack = SharedTopkStack(LEADERS, num_ubatches=2)
     group = stack.impls[2].index_group

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from vllm.v1.worker.ubatching import dbo_current_ubatch_id, dbo_yield
-from vllm_dsa_dbo import cpu_dbo
+from vllm_dsa_dbo.testing import cpu_dbo
 
 INDEX_TOPK = 16
 CANDIDATE_TOPK_BLOCKS = 4
@@ -207,7 +207,8 @@ class V41Step:
 
 
 def test_deepseek_v41_reusing_layers_read_their_own_ubatch_state(fake_gpu, monkeypatch):
-    from vllm_dsa_dbo.patches.base_loader import check_wired, describe
+    from vllm_dsa_dbo.diagnostics.refusals import check_wired
+    from vllm_dsa_dbo.diagnostics.startup import describe
 
     model = build_v41_model(monkeypatch, fake_gpu, enable_dbo=True)
     step = V41Step(model, monkeypatch)
@@ -224,7 +225,7 @@ def test_deepseek_v41_stock_buffers_cross_microbatches(fake_gpu, monkeypatch):
     """The same step without the copies: microbatch 0's reusing layers read
     microbatch 1's top-k and candidates, and the loader refuses the model."""
     from vllm_dsa_dbo.patches import deepseek_v41_model
-    from vllm_dsa_dbo.patches.base_loader import check_wired
+    from vllm_dsa_dbo.diagnostics.refusals import check_wired
 
     monkeypatch.setattr(deepseek_v41_model, "handed_off_buffers", lambda model: [])
     model = build_v41_model(monkeypatch, fake_gpu, enable_dbo=True)
@@ -237,7 +238,8 @@ def test_deepseek_v41_stock_buffers_cross_microbatches(fake_gpu, monkeypatch):
 
 
 def test_deepseek_v41_without_dbo_allocates_nothing(fake_gpu, monkeypatch):
-    from vllm_dsa_dbo.patches.base_loader import check_wired, describe
+    from vllm_dsa_dbo.diagnostics.refusals import check_wired
+    from vllm_dsa_dbo.diagnostics.startup import describe
     from vllm_dsa_dbo.ubatch_buffers import ubatch_copies
 
     model = build_v41_model(monkeypatch, fake_gpu, enable_dbo=False)
@@ -267,7 +269,8 @@ def checked_step(model: nn.Module, monkeypatch, mode: str):
     """The DBO step with the isolation checker's V4.1 hooks in place."""
     from vllm.models.deepseek_v41.attention import DeepseekV4Attention
 
-    from vllm_dsa_dbo.isolation import IsolationChecker, checked_v41_layer
+    from vllm_dsa_dbo.diagnostics.isolation import IsolationChecker
+    from vllm_dsa_dbo.patches.isolation_deepseek_v41_attention import checked_v41_layer
 
     checker = IsolationChecker(mode)
     stock = DeepseekV4Attention._sparse_indexer_and_attn

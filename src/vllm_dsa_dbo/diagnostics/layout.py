@@ -328,7 +328,7 @@ def _deepseek_v41_buffers(
 def _cross_layer_followers(layers: list[Any]) -> list[int]:
     """The layers that read top-k state another layer wrote outside index groups,
     by the loader's rule (refused under DBO where nothing copies it)."""
-    from vllm_dsa_dbo.patches.base_loader import hands_topk_outside_index_groups
+    from vllm_dsa_dbo.diagnostics.refusals import hands_topk_outside_index_groups
 
     return [i for i, m in enumerate(layers) if hands_topk_outside_index_groups(m)]
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from vllm_dsa_dbo.demo import SharedTopkStack, make_impl, step_inputs
+from vllm_dsa_dbo.testing.stack import SharedTopkStack, make_impl, step_inputs
 
 LEADERS = [True, True, False]
 # index_topk_freq 2 with vLLM's default offset 2: layer 2 reuses layer 1's top-k.
@@ -124,7 +124,8 @@ class HYV4Stack(SharedTopkStack):
 
 
 def test_hy_v4_followers_read_their_own_leaders_topk(fake_gpu, monkeypatch):
-    from vllm_dsa_dbo.patches.base_loader import check_wired, describe
+    from vllm_dsa_dbo.diagnostics.refusals import check_wired
+    from vllm_dsa_dbo.diagnostics.startup import describe
 
     model = build_hyv4_model(monkeypatch, fake_gpu, enable_dbo=True)
     stack = HYV4Stack(model, monkeypatch)
@@ -142,7 +143,8 @@ def test_hy_v4_followers_read_their_own_leaders_topk(fake_gpu, monkeypatch):
 
 
 def test_hy_v4_without_dbo_allocates_nothing(fake_gpu, monkeypatch):
-    from vllm_dsa_dbo.patches.base_loader import check_wired, describe
+    from vllm_dsa_dbo.diagnostics.refusals import check_wired
+    from vllm_dsa_dbo.diagnostics.startup import describe
 
     model = build_hyv4_model(monkeypatch, fake_gpu, enable_dbo=False)
     groups = [layer.self_attn.mla_attn.impl.index_group for layer in model.layers]
@@ -157,7 +159,7 @@ def test_hy_v4_unwired_followers_are_refused(fake_gpu, monkeypatch):
     """Private follower groups without per-microbatch copies (as HYV4 on ROCm
     builds them): the loader refuses the model under DBO."""
     from vllm_dsa_dbo.patches import hy_v4_model
-    from vllm_dsa_dbo.patches.base_loader import check_wired
+    from vllm_dsa_dbo.diagnostics.refusals import check_wired
 
     monkeypatch.setattr(hy_v4_model, "share_ubatch_logical_topk", lambda groups, leaders: None)
     model = build_hyv4_model(monkeypatch, fake_gpu, enable_dbo=True)

@@ -1,0 +1,55 @@
+"""Every patch's `PATCH` record, the isolation checker's included, lists the symbols
+of its target that `apply` sets."""
+
+from __future__ import annotations
+
+import json
+
+from test_plugin import run_python
+from vllm_dsa_dbo.patches import CHECK_PATCH_MODULES, PATCH_MODULES, patch_modules
+
+# In a fresh interpreter: each patch applied in order, its target compared before and after.
+APPLY_EACH = """
+    import importlib, json, types
+    from vllm_dsa_dbo import patches
+    from vllm_dsa_dbo.diagnostics import isolation
+
+    def symbols(module):
+        found = {}
+        for name, value in vars(module).items():
+            cells = value.__closure__ or () if isinstance(value, types.FunctionType) else ()
+            found[name] = (value, *(cell.cell_contents for cell in cells))
+            if isinstance(value, type) and value.__module__ == module.__name__:
+                for attribute, member in vars(value).items():
+                    found[f"{name}.{attribute}"] = (member,)
+        found.pop(patches._APPLIED, None)
+        return found
+
+    changed = {}
+    isolation.CHECKER = isolation.IsolationChecker("audit")
+    for module in patches.patch_modules(patches.PATCH_MODULES + patches.CHECK_PATCH_MODULES):
+        target = importlib.import_module(module.PATCH.target)
+        before = symbols(target)
+        assert getattr(module, "check", lambda t: None)(target) is None, module.__name__
+        module.apply(target)
+        after = symbols(target)
+        changed[patches.short_name(module)] = sorted(
+            name for name in before.keys() | after.keys()
+            if any(a is not b for a, b in zip(before.get(name, ()), after.get(name, ())))
+            or len(before.get(name, ())) != len(after.get(name, ()))
+        )
+    print("CHANGED", json.dumps(changed))
+"""
+
+
+def test_every_patch_lists_what_it_sets():
+    names = PATCH_MODULES + CHECK_PATCH_MODULES
+    records = {module.__name__.rsplit(".", 1)[1]: module.PATCH for module in patch_modules(names)}
+    assert list(records) == list(names)
+    assert all(patch.replaces for patch in records.values())
+
+    result = run_python(APPLY_EACH)
+    line = next((x for x in result.stdout.splitlines() if x.startswith("CHANGED ")), None)
+    assert line is not None, result.stdout[-2000:] + result.stderr[-3000:]
+    changed = json.loads(line.removeprefix("CHANGED "))
+    assert changed == {name: sorted(patch.replaces) for name, patch in records.items()}
