@@ -389,8 +389,9 @@ GROUP_ATTRIBUTES = '''
     num_ubatches: int = 1
     ubatch_topk_states: tuple[UbatchTopkState, ...] = ()
     ubatch_logical_topk: UbatchLogicalTopk | None = None
-    # Set once the leader's writers take the logical buffer from the impl.
-    leader_writes_follow_impl: bool = False
+    # In this tree every leader's writers take the logical buffer from the
+    # impl (DeepseekV32Attention.topk_indices_buffer), so copies may resolve.
+    leader_writes_follow_impl: bool = True
 
     def _topk_state(self) -> SparseMLAIndexGroup | UbatchTopkState:
         """The state the calling DBO microbatch reads and writes."""
