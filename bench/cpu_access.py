@@ -74,7 +74,9 @@ def measure_everywhere(num_ubatches: int | None) -> dict[str, dict[str, float]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     import vllm_dsa_dbo.patches as patches
@@ -84,20 +86,32 @@ def main(argv: list[str] | None = None) -> int:
         patches.apply_all()
         fixed = measure_everywhere(2)
     rows = []
-    print(f"{'where':28s} {'access':46s} {'stock ns':>9s} {'fix ns':>9s} {'ratio':>6s} "
-          f"{'stock + lookup ns':>18s} {'ratio':>6s}")
+    print(
+        f"{'where':28s} {'access':46s} {'stock ns':>9s} {'fix ns':>9s} {'ratio':>6s} "
+        f"{'stock + lookup ns':>18s} {'ratio':>6s}"
+    )
     for where, accesses in stock.items():
         lookup_ns = accesses.pop(UBATCH_ID_LOOKUP)
         print(f"{where:28s} {UBATCH_ID_LOOKUP:46s} {lookup_ns:9.1f}")
         for access, stock_ns in accesses.items():
             fix_ns = fixed[where][access]
             with_lookup = stock_ns + lookup_ns
-            rows.append({"where": where, "access": access, "stock_ns": stock_ns,
-                         "fix_ns": fix_ns, "ratio": fix_ns / stock_ns,
-                         "ubatch_id_lookup_ns": lookup_ns, "stock_plus_lookup_ns": with_lookup,
-                         "ratio_to_stock_plus_lookup": fix_ns / with_lookup})
-            print(f"{where:28s} {access:46s} {stock_ns:9.1f} {fix_ns:9.1f} {fix_ns / stock_ns:6.2f} "
-                  f"{with_lookup:18.1f} {fix_ns / with_lookup:6.2f}")
+            rows.append(
+                {
+                    "where": where,
+                    "access": access,
+                    "stock_ns": stock_ns,
+                    "fix_ns": fix_ns,
+                    "ratio": fix_ns / stock_ns,
+                    "ubatch_id_lookup_ns": lookup_ns,
+                    "stock_plus_lookup_ns": with_lookup,
+                    "ratio_to_stock_plus_lookup": fix_ns / with_lookup,
+                }
+            )
+            print(
+                f"{where:28s} {access:46s} {stock_ns:9.1f} {fix_ns:9.1f} {fix_ns / stock_ns:6.2f} "
+                f"{with_lookup:18.1f} {fix_ns / with_lookup:6.2f}"
+            )
     if args.json:
         record = {
             "command": " ".join(sys.argv),

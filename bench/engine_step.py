@@ -29,14 +29,26 @@ from pathlib import Path
 # Per configuration: run names of (stock, fix), then of their repeat.
 CONFIGS = (
     ("V1 eager", ("perf_on_stock", "perf_on_fix"), ("perf_on_stock_b", "perf_on_fix_b")),
-    ("V1 FULL_DECODE_ONLY graph replay", ("perf_graph_on_stock", "perf_graph_on_fix"),
-     ("perf_graph_on_stock_b", "perf_graph_on_fix_b")),
-    ("V1 eager, index_topk_freq=1 (control)", ("perf_freq1_on_stock", "perf_freq1_on_fix"),
-     ("perf_freq1_on_stock_b", "perf_freq1_on_fix_b")),
-    ("DeepEP HT eager", ("perf_ht_on_stock", "perf_ht_on_fix"),
-     ("perf_ht_on_stock_b", "perf_ht_on_fix_b")),
-    ("DeepEP LL FULL_DECODE_ONLY replay, fp8 KV", ("perf_llf_on_stock", "perf_llf_on_fix"),
-     ("perf_llf_on_stock_b", "perf_llf_on_fix_b")),
+    (
+        "V1 FULL_DECODE_ONLY graph replay",
+        ("perf_graph_on_stock", "perf_graph_on_fix"),
+        ("perf_graph_on_stock_b", "perf_graph_on_fix_b"),
+    ),
+    (
+        "V1 eager, index_topk_freq=1 (control)",
+        ("perf_freq1_on_stock", "perf_freq1_on_fix"),
+        ("perf_freq1_on_stock_b", "perf_freq1_on_fix_b"),
+    ),
+    (
+        "DeepEP HT eager",
+        ("perf_ht_on_stock", "perf_ht_on_fix"),
+        ("perf_ht_on_stock_b", "perf_ht_on_fix_b"),
+    ),
+    (
+        "DeepEP LL FULL_DECODE_ONLY replay, fp8 KV",
+        ("perf_llf_on_stock", "perf_llf_on_fix"),
+        ("perf_llf_on_stock_b", "perf_llf_on_fix_b"),
+    ),
 )
 
 
@@ -53,8 +65,11 @@ def busiest_host_op(profile: dict) -> dict | None:
     ops = profile.get("host_ops_by_self_time")
     if not ops:
         return None
-    return {"name": ops[0]["name"], "self_ms": ops[0]["self_cpu_us"] / 1e3,
-            "listed_ops_self_ms": sum(o["self_cpu_us"] for o in ops) / 1e3}
+    return {
+        "name": ops[0]["name"],
+        "self_ms": ops[0]["self_cpu_us"] / 1e3,
+        "listed_ops_self_ms": sum(o["self_cpu_us"] for o in ops) / 1e3,
+    }
 
 
 def summary(run: dict) -> dict:
@@ -66,7 +81,9 @@ def summary(run: dict) -> dict:
         "median_ms": 1e3 * statistics.median(timed),
         "p10_ms": 1e3 * statistics.quantiles(timed, n=10)[0],
         "min_ms": 1e3 * min(timed),
-        "worker_median_ms": [1e3 * statistics.median(w["measured"]["seconds"]) for w in workers(run)],
+        "worker_median_ms": [
+            1e3 * statistics.median(w["measured"]["seconds"]) for w in workers(run)
+        ],
         "cuda_kernels": [p["cuda_kernels"] for p in profiles],
         "sync_warnings": [p["sync_warnings"] for p in profiles],
         "busiest_host_op": [busiest_host_op(p) for p in profiles],
@@ -95,6 +112,7 @@ def compare(stock: dict, fixed: dict) -> dict:
 def repeats(first: tuple[dict, dict], second: tuple[dict, dict]) -> dict:
     """Each arm's repeat against its first run, and the fix against stock
     over all forwards of both runs of each arm."""
+
     def median(*runs: dict) -> float:
         return statistics.median(s for run in runs for s in seconds(run))
 
@@ -114,7 +132,9 @@ def load(runs: Path, names: tuple[str, str]) -> tuple[dict, dict] | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("runs", type=Path)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
@@ -126,37 +146,55 @@ def main(argv: list[str] | None = None) -> int:
                 pairs[label] = compare(*runs)
         if None not in loaded:
             agreement[mode] = repeats(*loaded)
-    print("| mode | forwards timed (stock / fix) | median ms (stock / fix) | median ratio "
-          "| p10 ms (stock / fix) | p10 ratio | min ms (stock / fix) "
-          "| CUDA kernels per profiled forward (stock / fix, per worker) | same kernels by name "
-          "| synchronizing calls (stock / fix) |")
+    print(
+        "| mode | forwards timed (stock / fix) | median ms (stock / fix) | median ratio "
+        "| p10 ms (stock / fix) | p10 ratio | min ms (stock / fix) "
+        "| CUDA kernels per profiled forward (stock / fix, per worker) | same kernels by name "
+        "| synchronizing calls (stock / fix) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for mode, row in pairs.items():
         s, f = row["stock"], row["fix"]
-        print(f"| {mode} | {s['forwards_timed']} / {f['forwards_timed']} "
-              f"| {s['median_ms']:.3f} / {f['median_ms']:.3f} | {row['median_ratio']:.3f} "
-              f"| {s['p10_ms']:.3f} / {f['p10_ms']:.3f} | {row['p10_ratio']:.3f} "
-              f"| {s['min_ms']:.3f} / {f['min_ms']:.3f} | {s['cuda_kernels']} / "
-              f"{f['cuda_kernels']} | {row['same_kernels']} | {s['sync_warnings']} / {f['sync_warnings']} |")
+        print(
+            f"| {mode} | {s['forwards_timed']} / {f['forwards_timed']} "
+            f"| {s['median_ms']:.3f} / {f['median_ms']:.3f} | {row['median_ratio']:.3f} "
+            f"| {s['p10_ms']:.3f} / {f['p10_ms']:.3f} | {row['p10_ratio']:.3f} "
+            f"| {s['min_ms']:.3f} / {f['min_ms']:.3f} | {s['cuda_kernels']} / "
+            f"{f['cuda_kernels']} | {row['same_kernels']} "
+            f"| {s['sync_warnings']} / {f['sync_warnings']} |"
+        )
     if agreement:
-        print("\n| mode | stock repeat / stock | fix repeat / fix | fix / stock, both runs pooled |")
+        print(
+            "\n| mode | stock repeat / stock | fix repeat / fix | fix / stock, both runs pooled |"
+        )
         print("|---|---|---|---|")
         for mode, row in agreement.items():
-            print(f"| {mode} | {row['stock_repeat_ratio']:.3f} | {row['fix_repeat_ratio']:.3f} "
-                  f"| {row['pooled_median_ratio']:.3f} |")
-    busiest = [(mode, arm, row[arm]["busiest_host_op"]) for mode, row in pairs.items()
-               for arm in ("stock", "fix") if all(row[arm]["busiest_host_op"])]
+            print(
+                f"| {mode} | {row['stock_repeat_ratio']:.3f} | {row['fix_repeat_ratio']:.3f} "
+                f"| {row['pooled_median_ratio']:.3f} |"
+            )
+    busiest = [
+        (mode, arm, row[arm]["busiest_host_op"])
+        for mode, row in pairs.items()
+        for arm in ("stock", "fix")
+        if all(row[arm]["busiest_host_op"])
+    ]
     if busiest:
-        print("\n| mode | arm | busiest host operator of the profiled forward (per worker) "
-              "| its own ms | own ms of the 25 busiest |")
+        print(
+            "\n| mode | arm | busiest host operator of the profiled forward (per worker) "
+            "| its own ms | own ms of the 25 busiest |"
+        )
         print("|---|---|---|---|---|")
         for mode, arm, ops in busiest:
             names = ", ".join(f"`{n}`" for n in dict.fromkeys(op["name"] for op in ops))
             own = " / ".join(f"{op['self_ms']:.1f}" for op in ops)
             listed = " / ".join(f"{op['listed_ops_self_ms']:.1f}" for op in ops)
             print(f"| {mode} | {arm} | {names} | {own} | {listed} |")
-    shares = [(mode, row["fix"]["fix_host_share"]) for mode, row in pairs.items()
-              if None not in row["fix"]["fix_host_share"]]
+    shares = [
+        (mode, row["fix"]["fix_host_share"])
+        for mode, row in pairs.items()
+        if None not in row["fix"]["fix_host_share"]
+    ]
     if shares:
         print("\n| mode | the fix's own host time, share of the profiled forward (per worker) |")
         print("|---|---|")

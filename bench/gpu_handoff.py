@@ -35,9 +35,9 @@ def measure_phase(phase: str) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     import vllm_dsa_dbo
+    from vllm_dsa_dbo.diagnostics.layout import leader_mask
     from vllm_dsa_dbo.testing import cpu_dbo
     from vllm_dsa_dbo.testing.stack import FIRST_MOE_LAYER, GLM5_LAYOUT, SharedTopkStack
-    from vllm_dsa_dbo.diagnostics.layout import leader_mask
 
     vllm_dsa_dbo.register()
     result: dict = {"phase": phase, "gpu": torch.cuda.get_device_name(0)}
@@ -76,8 +76,8 @@ def glm53_extra_bytes(index_topk_freq: int) -> dict:
     from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroupBuilder
 
     from vllm_dsa_dbo.cli import GLM53
-    from vllm_dsa_dbo.diagnostics.layout import leader_mask
     from vllm_dsa_dbo.diagnostics.accounting import ubatch_topk_bytes
+    from vllm_dsa_dbo.diagnostics.layout import leader_mask
 
     leaders = leader_mask({**GLM53, "index_topk_freq": index_topk_freq})
     allocated, builders = {}, {}
@@ -104,7 +104,9 @@ def glm53_extra_bytes(index_topk_freq: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--phase", choices=["stock", "fixed"])
     parser.add_argument("--json")
     args = parser.parse_args(argv)
@@ -123,13 +125,15 @@ def run_phases(script: str, json_path: str | None, extra: tuple[str, ...] = ()) 
         env = {**os.environ, "VLLM_DSA_DBO_DISABLE": disable}
         out = subprocess.run(
             [sys.executable, script, "--phase", phase, *extra],
-            env=env, capture_output=True, text=True,
+            env=env,
+            capture_output=True,
+            text=True,
         )
-        line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
+        line = next((r for r in out.stdout.splitlines() if r.startswith("RESULT ")), None)
         if out.returncode != 0 or line is None:
             sys.stderr.write(out.stdout[-3000:] + out.stderr[-6000:])
             return 1
-        results[phase] = json.loads(line[len("RESULT "):])
+        results[phase] = json.loads(line[len("RESULT ") :])
     import torch
     import vllm
 

@@ -31,7 +31,7 @@ from pathlib import Path
 if __name__ == "__main__" and "--phase" in sys.argv:
     # Real Triton kernels on the GPU; `--device cpu` (a dry run of this script's
     # logic, no evidence) interprets them, with CPU stand-ins for streams and events.
-    on_cpu = "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1:][:1] == ["cpu"]
+    on_cpu = "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1 :][:1] == ["cpu"]
     os.environ["TRITON_INTERPRET"] = "1" if on_cpu else "0"
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "" if on_cpu else "0")
 
@@ -117,7 +117,8 @@ class Step:
         self.reads: dict[tuple[int, int, str], torch.Tensor] = {}
         self.candidates = {
             (u, a.layer_id): v41.candidates_of(u, a.layer_id).to(device)
-            for u in range(2) for a in self.attns
+            for u in range(2)
+            for a in self.attns
         }
         self.positions = [
             torch.arange(n, device=device) + first
@@ -176,9 +177,9 @@ class Step:
             index_q = None
             if attn.indexer is not None:
                 attn.indexer.forward(None, None, None, positions, None)
-                self.writes[ubatch, attn.layer_id, "top-k"] = (
-                    attn.indexer.topk_indices_buffer[:n].clone()
-                )
+                self.writes[ubatch, attn.layer_id, "top-k"] = attn.indexer.topk_indices_buffer[
+                    :n
+                ].clone()
                 index_q = hidden
             attn._sparse_indexer_and_attn(
                 hidden, index_q, None, hidden, hidden, hidden, positions, hidden

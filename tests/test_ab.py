@@ -14,27 +14,38 @@ from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from test_cli import cli
-
 from vllm_dsa_dbo.ab import prompts, score
-
 
 SAMPLES = "samples_gsm8k_2026-11-30T00-00-00.123456.jsonl"
 
 
-def write_run(folder, answers: dict[str, list[int]], texts: list[str] | None = None,
-              questions: list[str] | None = None, name: str = SAMPLES) -> None:
+def write_run(
+    folder,
+    answers: dict[str, list[int]],
+    texts: list[str] | None = None,
+    questions: list[str] | None = None,
+    name: str = SAMPLES,
+) -> None:
     """lm_eval 0.4.13 --log_samples layout: one line per question and filter."""
     folder.mkdir(parents=True, exist_ok=True)
     lines = []
     for filter_name, rights in answers.items():
         for doc_id, right in enumerate(rights):
             doc = {"question": questions[doc_id] if questions else f"q{doc_id}", "answer": "#### 4"}
-            lines.append(json.dumps({
-                "doc_id": doc_id, "doc": doc, "filter": filter_name, "exact_match": float(right),
-                "target": "4", "resps": [[texts[doc_id] if texts else "x"]],
-                "filtered_resps": ["[invalid]"],
-                "doc_hash": hashlib.sha256(json.dumps(doc).encode()).hexdigest(),
-            }))
+            lines.append(
+                json.dumps(
+                    {
+                        "doc_id": doc_id,
+                        "doc": doc,
+                        "filter": filter_name,
+                        "exact_match": float(right),
+                        "target": "4",
+                        "resps": [[texts[doc_id] if texts else "x"]],
+                        "filtered_resps": ["[invalid]"],
+                        "doc_hash": hashlib.sha256(json.dumps(doc).encode()).hexdigest(),
+                    }
+                )
+            )
     (folder / name).write_text("\n".join(lines) + "\n")
 
 
@@ -66,7 +77,7 @@ def test_bad_folders(tmp_path):
         "list_line": "[1, 2]",
         "bad_metric": '{"doc_id": 0, "exact_match": "yes", "resps": []}',
         "twice": '{"doc_id": 0, "exact_match": 1, "resps": []}\n'
-                 '{"doc_id": 0, "exact_match": 0, "resps": []}',
+        '{"doc_id": 0, "exact_match": 0, "resps": []}',
         "blank": "\n\n",
     }
     for folder, text in bad_lines.items():
@@ -111,8 +122,11 @@ def test_a_folder_with_two_runs_is_refused(tmp_path):
     """A re-run into the same --output_path leaves two samples files: never merged."""
     write_run(tmp_path / "off", {"strict-match": [1, 0, 1]})
     write_run(tmp_path / "on" / "model", {"strict-match": [1, 1, 1]})
-    write_run(tmp_path / "on" / "model", {"strict-match": [0, 0, 0]},
-              name="samples_gsm8k_2026-12-01T09-30-00.000001.jsonl")
+    write_run(
+        tmp_path / "on" / "model",
+        {"strict-match": [0, 0, 0]},
+        name="samples_gsm8k_2026-12-01T09-30-00.000001.jsonl",
+    )
     result = cli("ab", str(tmp_path / "off"), str(tmp_path / "on"))
     assert result.returncode == 2 and result.stdout == ""
     assert "holds 2 samples_gsm8k_*.jsonl files (model/samples_gsm8k_2026-11-30" in result.stderr
@@ -122,8 +136,11 @@ def test_another_tasks_samples_are_not_read(tmp_path):
     """gsm8k_cot's samples_gsm8k_cot_<date>.jsonl is not gsm8k's."""
     write_run(tmp_path / "off", {"strict-match": [1, 0, 1]})
     write_run(tmp_path / "on", {"strict-match": [1, 0, 1]})
-    write_run(tmp_path / "on", {"strict-match": [0, 0]},
-              name="samples_gsm8k_cot_2026-11-30T00-00-00.123456.jsonl")
+    write_run(
+        tmp_path / "on",
+        {"strict-match": [0, 0]},
+        name="samples_gsm8k_cot_2026-11-30T00-00-00.123456.jsonl",
+    )
     rows = json.loads(cli("ab", str(tmp_path / "off"), str(tmp_path / "on"), "--json").stdout)
     assert [(r["questions"], r["lost"]) for r in rows] == [(3, None), (3, 0)]
 
@@ -133,12 +150,17 @@ def test_identical_responses_column(tmp_path):
     write_run(tmp_path / "on", {"strict-match": [0, 0, 0]}, texts=["x", "y", "x"])
     rows = json.loads(cli("ab", str(tmp_path / "off"), str(tmp_path / "on"), "--json").stdout)
     assert [r["identical"] for r in rows] == [None, 2]
-    assert "| 0 / 0 | 0.0 | 2 / 3 |" in cli("ab", str(tmp_path / "off"), str(tmp_path / "on")).stdout
+    assert (
+        "| 0 / 0 | 0.0 | 2 / 3 |" in cli("ab", str(tmp_path / "off"), str(tmp_path / "on")).stdout
+    )
 
 
 def test_score_is_lm_eval_gsm8k():
     answer = "Half of 2,468 is <<2468/2=1234>>1234.\n#### 1234"
-    assert score("so $1,234.\n#### 1,234", answer) == {"strict-match": True, "flexible-extract": True}
+    assert score("so $1,234.\n#### 1,234", answer) == {
+        "strict-match": True,
+        "flexible-extract": True,
+    }
     assert score("It is 1234 or 7", answer) == {"strict-match": False, "flexible-extract": False}
     assert score("7 then 1234.", answer) == {"strict-match": False, "flexible-extract": True}
     assert score("#### 1234 and 7", answer) == {"strict-match": True, "flexible-extract": False}
@@ -188,8 +210,10 @@ def fake_openai(answer: Callable[[str], str]):
 
 
 def write_questions(path, count: int) -> None:
-    lines = [json.dumps({"question": f"What is {n} plus 0?", "answer": f"{n} + 0 = {n}\n#### {n}"})
-             for n in range(count)]
+    lines = [
+        json.dumps({"question": f"What is {n} plus 0?", "answer": f"{n} + 0 = {n}\n#### {n}"})
+        for n in range(count)
+    ]
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -209,9 +233,23 @@ def test_endpoints(tmp_path):
         return " #### 999" if n < 2 else f" It is {n}.\n#### {n}" if n == 2 else right(prompt)
 
     with fake_openai(right) as (off, off_got), fake_openai(dbo) as (on, _):
-        result = cli("ab", "--endpoints", off, on + "/", "--questions", str(tmp_path / "test.jsonl"),
-                     "--fewshot", str(tmp_path / "train.jsonl"), "--num-fewshot", "2",
-                     "--max-tokens", "32", "--concurrency", "4", "--json")
+        result = cli(
+            "ab",
+            "--endpoints",
+            off,
+            on + "/",
+            "--questions",
+            str(tmp_path / "test.jsonl"),
+            "--fewshot",
+            str(tmp_path / "train.jsonl"),
+            "--num-fewshot",
+            "2",
+            "--max-tokens",
+            "32",
+            "--concurrency",
+            "4",
+            "--json",
+        )
     assert result.returncode == 0, result.stderr
     rows = {(r["run"], r["filter"]): r for r in json.loads(result.stdout)}
     assert rows[off, "strict-match"]["accuracy"] == 1.0
@@ -222,7 +260,11 @@ def test_endpoints(tmp_path):
     assert len(off_got) == 6
     for request in off_got:
         assert request["path"] == "/v1/completions" and request["model"] == "tiny-glm5"
-        assert (request["temperature"], request["max_tokens"], request["stop"]) == (0, 32, ["Question:"])
+        assert (request["temperature"], request["max_tokens"], request["stop"]) == (
+            0,
+            32,
+            ["Question:"],
+        )
         assert request["prompt"].count("Question: ") == 3
 
 
@@ -242,17 +284,44 @@ def test_endpoint_errors(tmp_path):
         questions = ["--questions", str(tmp_path / "test.jsonl")]
         cases = {
             ("--endpoints", up, closed, *questions): "cannot reach",
-            ("--endpoints", up, up, "--questions", str(tmp_path / "bad.jsonl")): "not a GSM8K question",
+            (
+                "--endpoints",
+                up,
+                up,
+                "--questions",
+                str(tmp_path / "bad.jsonl"),
+            ): "not a GSM8K question",
             ("--endpoints", up, up, "--questions", str(tmp_path / "none.jsonl")): "cannot read",
             ("--endpoints", up, *questions): "two or more URLs",
             ("--endpoints", up, up): "two or more URLs and --questions",
-            ("--endpoints", up, up, *questions, "--num-fewshot", "1"): "--num-fewshot needs --fewshot",
-            ("--endpoints", up, up, *questions, "--fewshot", str(tmp_path / "test.jsonl"),
-             "--num-fewshot", "3"): "3 few-shot examples asked for, 2 given",
+            (
+                "--endpoints",
+                up,
+                up,
+                *questions,
+                "--num-fewshot",
+                "1",
+            ): "--num-fewshot needs --fewshot",
+            (
+                "--endpoints",
+                up,
+                up,
+                *questions,
+                "--fewshot",
+                str(tmp_path / "test.jsonl"),
+                "--num-fewshot",
+                "3",
+            ): "3 few-shot examples asked for, 2 given",
             (str(tmp_path), "--endpoints", up, up, *questions): "not both",
             (str(tmp_path), str(tmp_path), *questions): "--questions apply only with --endpoints",
-            ("--endpoints", up, up, *questions, "--fewshot", str(tmp_path / "test.jsonl")):
-                "--fewshot needs --num-fewshot N",
+            (
+                "--endpoints",
+                up,
+                up,
+                *questions,
+                "--fewshot",
+                str(tmp_path / "test.jsonl"),
+            ): "--fewshot needs --num-fewshot N",
         }
         for args, message in cases.items():
             result = cli("ab", *args)
@@ -279,8 +348,10 @@ def raw_server(reply: bytes):
 
 
 def http_reply(body: bytes, status: str = "200 OK") -> bytes:
-    return (f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: "
-            f"{len(body)}\r\nConnection: close\r\n\r\n").encode() + body
+    return (
+        f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: "
+        f"{len(body)}\r\nConnection: close\r\n\r\n"
+    ).encode() + body
 
 
 def test_bad_questions_urls_and_server_replies(tmp_path):
@@ -296,13 +367,15 @@ def test_bad_questions_urls_and_server_replies(tmp_path):
         (tmp_path / name).write_bytes(data)
     questions = ["--questions", str(tmp_path / "test.jsonl")]
     no_text = http_reply(b'{"choices": [{"text": null}], "data": [{"id": "tiny-glm5"}]}')
-    with fake_openai(lambda prompt: "#### 0") as (up, _), \
-            raw_server(b"garbage\r\n\r\n") as not_http, \
-            raw_server(http_reply(b"<html>busy</html>")) as html, \
-            raw_server(no_text) as null_text, \
-            raw_server(http_reply(b'{"data": []}')) as no_models, \
-            raw_server(http_reply(b'{"data": [{"id": "other"}]}')) as other_model, \
-            raw_server(http_reply(b"overloaded", "503 Service Unavailable")) as busy:
+    with (
+        fake_openai(lambda prompt: "#### 0") as (up, _),
+        raw_server(b"garbage\r\n\r\n") as not_http,
+        raw_server(http_reply(b"<html>busy</html>")) as html,
+        raw_server(no_text) as null_text,
+        raw_server(http_reply(b'{"data": []}')) as no_models,
+        raw_server(http_reply(b'{"data": [{"id": "other"}]}')) as other_model,
+        raw_server(http_reply(b"overloaded", "503 Service Unavailable")) as busy,
+    ):
         cases = {
             ("--questions", str(tmp_path / "latin1.jsonl")): "is not UTF-8 text",
             ("--questions", str(tmp_path / "no_final.jsonl")): "has no '#### <number>' final",
@@ -310,7 +383,7 @@ def test_bad_questions_urls_and_server_replies(tmp_path):
             ("--questions", str(tmp_path / "empty.jsonl")): "no questions",
             ("--questions", str(tmp_path)): "cannot read",
         }
-        for args, message in list(cases.items()):
+        for args in list(cases):
             cases[("--endpoints", up, up, *args)] = cases.pop(args)
         for urls, message in {
             (up, "localhost:8000/v1"): "localhost:8000/v1 is not an http(s) URL",
@@ -325,8 +398,19 @@ def test_bad_questions_urls_and_server_replies(tmp_path):
             (up, busy): "HTTP 503: overloaded",
         }.items():
             cases[("--endpoints", *urls, *questions)] = message
-        cases[("--endpoints", up, up, "--questions", str(tmp_path / "test.jsonl"),
-               "--model", "m", "--num-fewshot", "-1")] = "--num-fewshot: must be at least 0"
+        cases[
+            (
+                "--endpoints",
+                up,
+                up,
+                "--questions",
+                str(tmp_path / "test.jsonl"),
+                "--model",
+                "m",
+                "--num-fewshot",
+                "-1",
+            )
+        ] = "--num-fewshot: must be at least 0"
         for args, message in cases.items():
             result = cli("ab", *args)
             assert result.returncode == 2, (args, result.stdout, result.stderr)

@@ -12,9 +12,9 @@ import pytest
 import torch.nn as nn
 
 import forkserver
-from vllm_dsa_dbo.testing.stack import SharedTopkStack, attention_module
 from vllm_dsa_dbo.diagnostics.accounting import ubatch_topk_bytes
 from vllm_dsa_dbo.diagnostics.layout import leader_mask
+from vllm_dsa_dbo.testing.stack import SharedTopkStack, attention_module
 
 
 def cli(*args: str, **env: str) -> subprocess.CompletedProcess:
@@ -33,8 +33,13 @@ def cli_without_torch(*args: str, **env: str) -> subprocess.CompletedProcess:
         "finally:\n    print('torch imported:', 'torch' in sys.modules)\nsys.exit(rc)\n"
     )
     environ = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
-    return subprocess.run([sys.executable, "-c", code, *args], env={**environ, **env},
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
+        env={**environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_help_everywhere():
@@ -52,8 +57,10 @@ def test_status_active():
 
 @pytest.mark.parametrize(
     "env, reason",
-    [({"VLLM_PLUGINS": "other"}, "VLLM_PLUGINS filters out dsa_dbo"),
-     ({"VLLM_DSA_DBO_DISABLE": "1"}, "VLLM_DSA_DBO_DISABLE is set")],
+    [
+        ({"VLLM_PLUGINS": "other"}, "VLLM_PLUGINS filters out dsa_dbo"),
+        ({"VLLM_DSA_DBO_DISABLE": "1"}, "VLLM_DSA_DBO_DISABLE is set"),
+    ],
 )
 def test_status_inactive(env, reason):
     result = cli("status", **env)
@@ -78,8 +85,11 @@ def test_off_spellings_mean_off(monkeypatch, value):
     "name, value, expected",
     [("VLLM_DSA_DBO_CHECK", v, v.strip().lower()) for v in ("raise", "audit", " Audit ", "RAISE")]
     + [("VLLM_DSA_DBO_DISABLE", v, True) for v in ("1", "true", "yes", "on", "TRUE")]
-    + [(name, v, None) for name in ("VLLM_DSA_DBO_CHECK", "VLLM_DSA_DBO_DISABLE")
-       for v in ("bogus", "2", "enable", "raise,audit")]
+    + [
+        (name, v, None)
+        for name in ("VLLM_DSA_DBO_CHECK", "VLLM_DSA_DBO_DISABLE")
+        for v in ("bogus", "2", "enable", "raise,audit")
+    ]
     + [("VLLM_DSA_DBO_CHECK", v, None) for v in ("1", "on", "yes")],  # which mode?
 )
 def test_env_values(monkeypatch, name, value, expected):
@@ -106,10 +116,18 @@ def test_status_shows_the_env_switches_spelled_off():
 
 @pytest.mark.parametrize(
     "env, message",
-    [({"VLLM_DSA_DBO_CHECK": "bogus"}, "VLLM_DSA_DBO_CHECK='bogus' is not understood: set raise "
-      "or audit to turn the checker on"),
-     ({"VLLM_DSA_DBO_DISABLE": "maybe"}, "VLLM_DSA_DBO_DISABLE='maybe' is not understood: "
-      "set 1, true, yes or on to turn the fix off")],
+    [
+        (
+            {"VLLM_DSA_DBO_CHECK": "bogus"},
+            "VLLM_DSA_DBO_CHECK='bogus' is not understood: set raise "
+            "or audit to turn the checker on",
+        ),
+        (
+            {"VLLM_DSA_DBO_DISABLE": "maybe"},
+            "VLLM_DSA_DBO_DISABLE='maybe' is not understood: "
+            "set 1, true, yes or on to turn the fix off",
+        ),
+    ],
     ids=["check-bogus", "disable-maybe"],
 )
 def test_status_unknown_env_value_is_an_error(env, message):
@@ -145,8 +163,16 @@ def test_memory_matches_the_builders_allocation(fake_gpu, tmp_path):
     stack = SharedTopkStack(leader_mask(config), num_ubatches=3)
     allocated = ubatch_topk_bytes(stack.builder.follower_groups)
     result = cli(
-        "memory", "--config", str(tmp_path), "--max-num-batched-tokens", "32",
-        "--max-num-seqs", "8", "--num-ubatches", "3", "--json",
+        "memory",
+        "--config",
+        str(tmp_path),
+        "--max-num-batched-tokens",
+        "32",
+        "--max-num-seqs",
+        "8",
+        "--num-ubatches",
+        "3",
+        "--json",
     )
     report = json.loads(result.stdout)
     assert report["groups_with_followers"] == len(stack.builder.follower_groups)
@@ -156,8 +182,11 @@ def test_memory_matches_the_builders_allocation(fake_gpu, tmp_path):
 def test_memory_without_dbo_or_followers_is_zero(tmp_path):
     assert "0 bytes; no DBO" in cli("memory", "--preset", "glm-5.3", "--num-ubatches", "1").stdout
     # DeepSeek-V3.2: freq 1
-    config = {"architectures": ["DeepseekV32ForCausalLM"], "num_hidden_layers": 61,
-              "index_topk": 2048}
+    config = {
+        "architectures": ["DeepseekV32ForCausalLM"],
+        "num_hidden_layers": 61,
+        "index_topk": 2048,
+    }
     (tmp_path / "config.json").write_text(json.dumps(config))
     result = cli("memory", "--config", str(tmp_path / "config.json"))
     assert result.returncode == 0 and "followers (0, " in result.stdout
@@ -171,58 +200,123 @@ def test_memory_without_dbo_or_followers_is_zero(tmp_path):
         ("{not json", [], "is not valid JSON"),
         ("[1, 2]", [], "is not a JSON object"),
         ('{"num_hidden_layers": 4}', [], "architectures must name the model class"),
-        ('{"architectures": "GlmMoeDsaForCausalLM"}', [],
-         "architectures must name the model class"),
-        ('{"architectures": ["GlmMoeDsaForCausalLM"], "num_hidden_layers": 4}', [],
-         "not a DeepSeek Sparse Attention config"),
-        (f'{{{GLM}, "num_hidden_layers": 0, "index_topk": 64}}', [],
-         "num_hidden_layers must be a whole number >= 1, got 0"),
-        (f'{{{GLM}, "num_hidden_layers": 10000000000, "index_topk": 64}}', [],
-         "num_hidden_layers must be at most 100,000"),
-        (f'{{{GLM}, "num_hidden_layers": 4, "index_topk": true}}', [],
-         "index_topk must be a whole number >= 1, got True"),
-        (f'{{{GLM}, "num_hidden_layers": 4, "index_topk": 64.0}}', [],
-         "index_topk must be a whole number >= 1, got 64.0"),
+        (
+            '{"architectures": "GlmMoeDsaForCausalLM"}',
+            [],
+            "architectures must name the model class",
+        ),
+        (
+            '{"architectures": ["GlmMoeDsaForCausalLM"], "num_hidden_layers": 4}',
+            [],
+            "not a DeepSeek Sparse Attention config",
+        ),
+        (
+            f'{{{GLM}, "num_hidden_layers": 0, "index_topk": 64}}',
+            [],
+            "num_hidden_layers must be a whole number >= 1, got 0",
+        ),
+        (
+            f'{{{GLM}, "num_hidden_layers": 10000000000, "index_topk": 64}}',
+            [],
+            "num_hidden_layers must be at most 100,000",
+        ),
+        (
+            f'{{{GLM}, "num_hidden_layers": 4, "index_topk": true}}',
+            [],
+            "index_topk must be a whole number >= 1, got True",
+        ),
+        (
+            f'{{{GLM}, "num_hidden_layers": 4, "index_topk": 64.0}}',
+            [],
+            "index_topk must be a whole number >= 1, got 64.0",
+        ),
         (f'{{{GLM}, "text_config": null}}', [], "text_config must be a JSON object, got null"),
         (f'{{{GLM}, "text_config": [1]}}', [], "text_config must be a JSON object, got [1]"),
-        *[pytest.param(f'{{{GLM}, {GLM_SIZE}, {key}}}', [], message, id=key)
-          for key, message in [
-            ('"index_topk_freq": "4"', "index_topk_freq must be a whole number >= 1, got '4'"),
-            # vLLM divides by it (v32) or refuses it (HYV4); never 1 by default.
-            ('"index_topk_freq": 0', "index_topk_freq must be a whole number >= 1, got 0"),
-            ('"index_topk_freq": null', "index_topk_freq must be a whole number >= 1, got null"),
-            ('"index_topk_freq": -4', "index_topk_freq must be a whole number >= 1, got -4"),
-            ('"index_topk_freq": 4.5', "index_topk_freq must be a whole number >= 1, got 4.5"),
-            *[(f'"index_skip_topk_offset": {offset}',
-               f"index_skip_topk_offset must be a whole number, got {shown}")
-              for offset, shown in (('"3"', "'3'"), ("null", "null"))],
-            *[(f'"index_topk_pattern": {pattern}', "index_topk_pattern must be F (runs the indexer)")
-              for pattern in ('12345', '"FSX"', '["F", 1]', '{"0": "F"}')],
-        ]],
+        *[
+            pytest.param(f"{{{GLM}, {GLM_SIZE}, {key}}}", [], message, id=key)
+            for key, message in [
+                ('"index_topk_freq": "4"', "index_topk_freq must be a whole number >= 1, got '4'"),
+                # vLLM divides by it (v32) or refuses it (HYV4); never 1 by default.
+                ('"index_topk_freq": 0', "index_topk_freq must be a whole number >= 1, got 0"),
+                (
+                    '"index_topk_freq": null',
+                    "index_topk_freq must be a whole number >= 1, got null",
+                ),
+                ('"index_topk_freq": -4', "index_topk_freq must be a whole number >= 1, got -4"),
+                ('"index_topk_freq": 4.5', "index_topk_freq must be a whole number >= 1, got 4.5"),
+                *[
+                    (
+                        f'"index_skip_topk_offset": {offset}',
+                        f"index_skip_topk_offset must be a whole number, got {shown}",
+                    )
+                    for offset, shown in (('"3"', "'3'"), ("null", "null"))
+                ],
+                *[
+                    (
+                        f'"index_topk_pattern": {pattern}',
+                        "index_topk_pattern must be F (runs the indexer)",
+                    )
+                    for pattern in ("12345", '"FSX"', '["F", 1]', '{"0": "F"}')
+                ],
+            ]
+        ],
         pytest.param(
             '{"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 4, "index_topk": 64}',
-            [], "LlamaForCausalLM is not a DSA model", id="not-dsa"),
-        ('{"architectures": ["HYV4ForCausalLM"], "num_hidden_layers": 3, "index_topk": 64, '
-         '"indexer_types": ["full", "shared"]}', [],
-         "indexer_types must hold 'full' or 'shared' for each of the 3 layers"),
-        ('{"architectures": ["HYV4ForCausalLM"], "num_hidden_layers": 2, "index_topk": 64, '
-         '"indexer_types": ["full", "half"]}', [], "indexer_types must hold 'full' or 'shared'"),
-        ('{"architectures": ["HYV4ForCausalLM"], "num_hidden_layers": 2, "index_topk": 64, '
-         '"layer_types": "sparse"}', [], "layer_types must be a list of str, got 'sparse'"),
-        ('{"architectures": ["DeepseekV41ForCausalLM"], "num_hidden_layers": 2, "index_topk": 64, '
-         '"compress_ratios": [1, 4]}', [], "compress_ratios must hold 0, 1 or 2 per layer"),
-        ('{"architectures": ["DeepseekV41ForCausalLM"], "num_hidden_layers": 2, "index_topk": 64, '
-         '"compress_ratios": [0, 1], "kv_source_layer_ids": [1], "index_source_layer_ids": [2]}',
-         [], "layer 1 is compressed but no index_source_layer_ids entry is at or below it"),
-        ('{"architectures": ["DeepseekV41ForCausalLM"], "num_hidden_layers": 2, "index_topk": 64, '
-         '"candidate_source_layer_id": null}', [],
-         "candidate_source_layer_id must be a whole number"),
-        ('{"architectures": ["MiniMaxM3SparseForCausalLM"], "num_hidden_layers": 2, '
-         '"index_topk": 64, "index_topk_freq": "four"}', ["--platform", "rocm"],
-         "index_topk_freq must be a whole number, got 'four'"),
-        ('{"architectures": ["MiniMaxM3SparseForCausalLM"], "num_hidden_layers": 2, '
-         '"index_topk": 64, "sparse_attention_config": [1]}', ["--platform", "rocm"],
-         "sparse_attention_config must be a JSON object"),
+            [],
+            "LlamaForCausalLM is not a DSA model",
+            id="not-dsa",
+        ),
+        (
+            '{"architectures": ["HYV4ForCausalLM"], "num_hidden_layers": 3, "index_topk": 64, '
+            '"indexer_types": ["full", "shared"]}',
+            [],
+            "indexer_types must hold 'full' or 'shared' for each of the 3 layers",
+        ),
+        (
+            '{"architectures": ["HYV4ForCausalLM"], "num_hidden_layers": 2, "index_topk": 64, '
+            '"indexer_types": ["full", "half"]}',
+            [],
+            "indexer_types must hold 'full' or 'shared'",
+        ),
+        (
+            '{"architectures": ["HYV4ForCausalLM"], "num_hidden_layers": 2, "index_topk": 64, '
+            '"layer_types": "sparse"}',
+            [],
+            "layer_types must be a list of str, got 'sparse'",
+        ),
+        (
+            '{"architectures": ["DeepseekV41ForCausalLM"], "num_hidden_layers": 2, '
+            '"index_topk": 64, '
+            '"compress_ratios": [1, 4]}',
+            [],
+            "compress_ratios must hold 0, 1 or 2 per layer",
+        ),
+        (
+            '{"architectures": ["DeepseekV41ForCausalLM"], "num_hidden_layers": 2, '
+            '"index_topk": 64, '
+            '"compress_ratios": [0, 1], "kv_source_layer_ids": [1], "index_source_layer_ids": [2]}',
+            [],
+            "layer 1 is compressed but no index_source_layer_ids entry is at or below it",
+        ),
+        (
+            '{"architectures": ["DeepseekV41ForCausalLM"], "num_hidden_layers": 2, '
+            '"index_topk": 64, '
+            '"candidate_source_layer_id": null}',
+            [],
+            "candidate_source_layer_id must be a whole number",
+        ),
+        (
+            '{"architectures": ["MiniMaxM3SparseForCausalLM"], "num_hidden_layers": 2, '
+            '"index_topk": 64, "index_topk_freq": "four"}',
+            ["--platform", "rocm"],
+            "index_topk_freq must be a whole number, got 'four'",
+        ),
+        (
+            '{"architectures": ["MiniMaxM3SparseForCausalLM"], "num_hidden_layers": 2, '
+            '"index_topk": 64, "sparse_attention_config": [1]}',
+            ["--platform", "rocm"],
+            "sparse_attention_config must be a JSON object",
+        ),
         (b'{"architectures": ["GlmMoeDsaForCausalLM"], "name": "\xe9"}', [], "is not UTF-8 text"),
     ],
 )
@@ -239,8 +333,13 @@ def test_memory_bad_config(tmp_path, content, args, message):
 
 
 @pytest.mark.parametrize(
-    "flag, value", [("--max-num-batched-tokens", "0"), ("--max-num-seqs", "-3"),
-                    ("--num-speculative-tokens", "-1"), ("--num-ubatches", "two")],
+    "flag, value",
+    [
+        ("--max-num-batched-tokens", "0"),
+        ("--max-num-seqs", "-3"),
+        ("--num-speculative-tokens", "-1"),
+        ("--num-ubatches", "two"),
+    ],
 )
 def test_memory_bad_sizes(flag, value):
     result = cli("memory", "--preset", "glm-5.3", flag, value)
@@ -273,8 +372,10 @@ def test_demo_with_the_checker_in_both_modes():
     assert raised.returncode == 0, raised.stdout + raised.stderr
     assert "Traceback" not in raised.stderr
     stock, fixed = raised.stdout.split("with vllm-dsa-dbo:", 1)
-    assert ("isolation checker (raise) stopped the step at the first bad read: logical top-k: "
-            "group 2 follower 2 in microbatch 0") in stock
+    assert (
+        "isolation checker (raise) stopped the step at the first bad read: logical top-k: "
+        "group 2 follower 2 in microbatch 0"
+    ) in stock
     assert "0 of 16 top-k reads came from the wrong microbatch" in fixed
     assert "isolation checker (raise): 0 violations" in fixed
 
@@ -286,22 +387,42 @@ def test_demo_refuses_an_unknown_checker_value():
 
 
 # Layer 1 reuses layer 0's top-k.
-V41_2 = {"architectures": ["DeepseekV41ForCausalLM"], "num_hidden_layers": 2, "index_topk": 64,
-         "compress_ratios": [1, 1], "kv_source_layer_ids": [0], "index_source_layer_ids": [0]}
+V41_2 = {
+    "architectures": ["DeepseekV41ForCausalLM"],
+    "num_hidden_layers": 2,
+    "index_topk": 64,
+    "compress_ratios": [1, 1],
+    "kv_source_layer_ids": [0],
+    "index_source_layer_ids": [0],
+}
 
 
 @pytest.mark.parametrize(
     "config, args, shown",
     [
-        ({"architectures": ["HYV4ForCausalLM"], "num_hidden_layers": 4, "index_topk": 64,
-          "layer_types": ["deepseek_sparse_attention"] * 4,
-          "indexer_types": ["full", "shared", "full", "shared"]}, [],
-         "extra bytes per GPU per extra microbatch: 2,097,152 (2.0 MiB)"),  # 8192 x 64 x 4
+        (
+            {
+                "architectures": ["HYV4ForCausalLM"],
+                "num_hidden_layers": 4,
+                "index_topk": 64,
+                "layer_types": ["deepseek_sparse_attention"] * 4,
+                "indexer_types": ["full", "shared", "full", "shared"],
+            },
+            [],
+            "extra bytes per GPU per extra microbatch: 2,097,152 (2.0 MiB)",
+        ),  # 8192 x 64 x 4
         (V41_2, [], "  top-k buffer           8192 x 64 x 4 = 2,097,152"),
         (V41_2, ["--platform", "rocm"], "extra memory: none; refused under DBO"),
-        ({"architectures": ["DeepseekV32ForCausalLM"], "num_hidden_layers": 4, "index_topk": 64,
-          "index_topk_freq": 2}, ["--platform", "rocm"],
-         "  (logical top-k buffer only (followers build private single-layer groups))"),
+        (
+            {
+                "architectures": ["DeepseekV32ForCausalLM"],
+                "num_hidden_layers": 4,
+                "index_topk": 64,
+                "index_topk_freq": 2,
+            },
+            ["--platform", "rocm"],
+            "  (logical top-k buffer only (followers build private single-layer groups))",
+        ),
     ],
     ids=["hy-v4", "deepseek-v41", "deepseek-v41-rocm", "rocm-dsa"],
 )
@@ -322,4 +443,7 @@ def test_startup_line_names_what_was_allocated(fake_gpu):
     assert line is not None
     assert f"2 microbatches, 1 index groups with followers, {allocated:,} bytes" in line
     without = SharedTopkStack([True, True, False], num_ubatches=1)
-    assert describe(nn.ModuleList([attention_module(i, without.buffer) for i in without.impls])) is None
+    assert (
+        describe(nn.ModuleList([attention_module(i, without.buffer) for i in without.impls]))
+        is None
+    )

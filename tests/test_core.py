@@ -90,9 +90,9 @@ def test_dbo_ubatch_leaders_writing_elsewhere_are_refused(fake_gpu):
     its group never resolves per microbatch, and the loader refuses the model."""
     import torch.nn as nn
 
+    from vllm_dsa_dbo.diagnostics.refusals import check_wired
     from vllm_dsa_dbo.testing.cpu_dbo import run_dbo_step
     from vllm_dsa_dbo.testing.stack import make_impl
-    from vllm_dsa_dbo.diagnostics.refusals import check_wired
 
     stack = SharedTopkStack(LEADERS, num_ubatches=2)
     leader = make_impl(stack.builder, stack.buffer, leads=True)
@@ -117,11 +117,10 @@ def test_dbo_ubatch_followers_in_private_groups_are_refused(fake_gpu, num_ubatch
     its own and still reads the model-wide logical buffer its leader wrote."""
     import torch
     import torch.nn as nn
-
     from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroupBuilder
 
-    from vllm_dsa_dbo.testing.stack import attention_module, make_impl
     from vllm_dsa_dbo.diagnostics.refusals import check_wired
+    from vllm_dsa_dbo.testing.stack import attention_module, make_impl
 
     buffer = torch.full((32, 128), -1, dtype=torch.int32)
     impls = [

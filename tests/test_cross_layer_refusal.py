@@ -22,7 +22,9 @@ MINIMAX_M3_INDEX_CACHE = SimpleNamespace(
     sparse_attention_config={"sparse_attention_freq": [1, 1, 1]},
 )
 
-MINIMAX_M3_NO_INDEX_CACHE = SimpleNamespace(**{**vars(MINIMAX_M3_INDEX_CACHE), "use_index_cache": False})
+MINIMAX_M3_NO_INDEX_CACHE = SimpleNamespace(
+    **{**vars(MINIMAX_M3_INDEX_CACHE), "use_index_cache": False}
+)
 
 
 def minimax_m3_layer(layer_id: int, config: SimpleNamespace) -> nn.Module:

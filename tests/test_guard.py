@@ -68,9 +68,9 @@ REGISTER = """
 
 def build_configs(*models: str) -> str:
     """Code that builds a VllmConfig per (model folder, DBO) and prints the outcome."""
-    return """
+    return f"""
     from vllm.config import DeviceConfig, ModelConfig, ParallelConfig, VllmConfig
-    for folder, dbo in %r:
+    for folder, dbo in {models!r}:
         try:
             VllmConfig(
                 model_config=ModelConfig(model=folder, skip_tokenizer_init=True),
@@ -82,7 +82,7 @@ def build_configs(*models: str) -> str:
             print("BUILT", folder, dbo)
         except ValueError as e:
             print("REFUSED", folder, dbo, " ".join(str(e).split()))
-    """ % (models,)
+    """
 
 
 def model_folders(tmp_path) -> tuple[str, str]:

@@ -21,7 +21,9 @@ def test_audit_on_stock_vllm_reports_exactly_microbatch0_followers_after_a_yield
 
     result = demo("stock", VLLM_DSA_DBO_DISABLE="1", VLLM_DSA_DBO_CHECK="audit")
     assert result.returncode == DEMO_CROSSED, result.stderr[-3000:]
-    pairs = re.findall(r"  (.+?): (group \d follower \d) read (group \d leader)'s write", result.stdout)
+    pairs = re.findall(
+        r"  (.+?): (group \d follower \d) read (group \d leader)'s write", result.stdout
+    )
     readers = sorted({reader for _, reader, _ in pairs})
     # Layers 4 and 5 follow leader 2 (group 2), layer 7 leader 6 (group 3);
     # layer 3 runs before the first yield and reads its own microbatch's.

@@ -15,9 +15,15 @@ import pytest
 
 from test_plugin import run_python
 from vllm_dsa_dbo.diagnostics import refusals
-from vllm_dsa_dbo.patches import base_loader, deepseek_v41_attention, deepseek_v41_model
-from vllm_dsa_dbo.patches import index_group, sparse_attn_indexer
-from vllm_dsa_dbo.patches import sparse_mla_attention, tensorizer
+from vllm_dsa_dbo.patches import (
+    base_loader,
+    deepseek_v41_attention,
+    deepseek_v41_model,
+    index_group,
+    sparse_attn_indexer,
+    sparse_mla_attention,
+    tensorizer,
+)
 
 
 @pytest.mark.parametrize(
@@ -135,7 +141,8 @@ def test_load_seam_signature_checks():
 
     assert "takes no vllm_config" in base_loader.check(SimpleNamespace(initialize_model=build))
     assert "takes no vllm_config" in tensorizer.check(SimpleNamespace(init_tensorizer_model=build))
-    from vllm.model_executor.model_loader import tensorizer as vllm_tensorizer, utils
+    from vllm.model_executor.model_loader import tensorizer as vllm_tensorizer
+    from vllm.model_executor.model_loader import utils
 
     assert base_loader.check(utils) is None and tensorizer.check(vllm_tensorizer) is None
 
@@ -155,8 +162,9 @@ def v41_attention_module(op: type) -> SimpleNamespace:
     from vllm.models.deepseek_v41 import attention
 
     indexer = type("DeepseekV4Indexer", (attention.DeepseekV4Indexer,), {"mqa_cls": op})
-    return SimpleNamespace(DeepseekV4Attention=attention.DeepseekV4Attention,
-                           DeepseekV4Indexer=indexer)
+    return SimpleNamespace(
+        DeepseekV4Attention=attention.DeepseekV4Attention, DeepseekV4Indexer=indexer
+    )
 
 
 def test_deepseek_v41_attention_check():
@@ -233,9 +241,17 @@ BREAK_REGISTRY = """
     ubatching._THREAD_ID_TO_CONTEXT = {}
 """
 DEPENDENT = [
-    "deepseek_v32_attention", "deepseek_v41_attention", "deepseek_v41_model", "hy_v4_attention",
-    "hy_v4_model", "index_group", "mla", "rocm_dsa_attention", "rocm_dsa_model",
-    "sparse_attn_indexer", "sparse_mla_attention",
+    "deepseek_v32_attention",
+    "deepseek_v41_attention",
+    "deepseek_v41_model",
+    "hy_v4_attention",
+    "hy_v4_model",
+    "index_group",
+    "mla",
+    "rocm_dsa_attention",
+    "rocm_dsa_model",
+    "sparse_attn_indexer",
+    "sparse_mla_attention",
 ]
 
 

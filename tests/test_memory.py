@@ -7,8 +7,8 @@ import json
 
 import pytest
 import torch
-
 from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroupBuilder
+
 from vllm_dsa_dbo.diagnostics.accounting import (
     ubatch_topk_bytes,
     ubatch_topk_bytes_per_extra_ubatch,
@@ -28,9 +28,7 @@ def glm5_leaders(num_layers: int, freq: int, offset: int) -> list[bool]:
 
 def build(leaders: list[bool], num_ubatches: int) -> SparseMLAIndexGroupBuilder:
     buffer = torch.empty(MAX_NUM_BATCHED_TOKENS, INDEX_TOPK, dtype=torch.int32)
-    builder = SparseMLAIndexGroupBuilder(
-        buffer, MAX_DECODE_ROWS, num_ubatches=num_ubatches
-    )
+    builder = SparseMLAIndexGroupBuilder(buffer, MAX_DECODE_ROWS, num_ubatches=num_ubatches)
     for leads in leaders:
         builder.register_layer(leads)
     return builder
@@ -106,13 +104,16 @@ def memory_report(capsys, config: dict, *args: str) -> dict:
 def test_memory_is_what_hy_v4_allocates(fake_gpu, monkeypatch, capsys):
     """HYV4 on CUDA: one logical buffer, no physical copies, as the real model allocates."""
     from test_patch_hy_v4 import HF_CONFIG, LEADERS, MAX_NUM_BATCHED_TOKENS, build_hyv4_model
-
     from vllm_dsa_dbo.diagnostics.groups import index_groups
 
     model = build_hyv4_model(monkeypatch, fake_gpu, enable_dbo=True)
     allocated = ubatch_topk_bytes(index_groups(model))
-    report = memory_report(capsys, {**HF_CONFIG, "architectures": ["HYV4ForCausalLM"]},
-                           "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS))
+    report = memory_report(
+        capsys,
+        {**HF_CONFIG, "architectures": ["HYV4ForCausalLM"]},
+        "--max-num-batched-tokens",
+        str(MAX_NUM_BATCHED_TOKENS),
+    )
     assert report["leaders"] == [i for i, lead in enumerate(LEADERS) if lead]
     logical_buffer = MAX_NUM_BATCHED_TOKENS * HF_CONFIG["index_topk"] * 4
     assert report["bytes_total"] == allocated == logical_buffer
@@ -121,35 +122,67 @@ def test_memory_is_what_hy_v4_allocates(fake_gpu, monkeypatch, capsys):
 def test_memory_is_what_rocm_dsa_allocates(fake_gpu, monkeypatch, capsys):
     """GLM-5 / DeepSeek-V3.2 on ROCm: one logical buffer, as vLLM's ROCm model allocates."""
     from test_patch_rocm_dsa import LEADERS, MAX_NUM_BATCHED_TOKENS, build_rocm_dsa_model, hf_config
-
     from vllm_dsa_dbo.diagnostics.groups import index_groups
 
     model = build_rocm_dsa_model(monkeypatch, fake_gpu, enable_dbo=True)
     allocated = ubatch_topk_bytes(index_groups(model))
     hf = hf_config()
-    config = {"architectures": ["GlmMoeDsaForCausalLM"], "num_hidden_layers": hf.num_hidden_layers,
-              "index_topk": hf.index_topk, "index_topk_freq": hf.index_topk_freq}
+    config = {
+        "architectures": ["GlmMoeDsaForCausalLM"],
+        "num_hidden_layers": hf.num_hidden_layers,
+        "index_topk": hf.index_topk,
+        "index_topk_freq": hf.index_topk_freq,
+    }
     tokens = ["--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS)]
     report = memory_report(capsys, config, "--platform", "rocm", *tokens)
     assert report["leaders"] == [i for i, lead in enumerate(LEADERS) if lead]
     assert report["bytes_total"] == allocated == MAX_NUM_BATCHED_TOKENS * hf.index_topk * 4
     on_cuda = memory_report(capsys, config, *tokens)["bytes_total"]
-    assert on_cuda == ubatch_topk_bytes_per_extra_ubatch(
-        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, max_decode_rows=MAX_NUM_BATCHED_TOKENS,
-        index_topk=hf.index_topk, groups_with_followers=1) > allocated
+    assert (
+        on_cuda
+        == ubatch_topk_bytes_per_extra_ubatch(
+            max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+            max_decode_rows=MAX_NUM_BATCHED_TOKENS,
+            index_topk=hf.index_topk,
+            groups_with_followers=1,
+        )
+        > allocated
+    )
 
 
-GLM5_8 = {"architectures": ["GlmMoeDsaForCausalLM"], "num_hidden_layers": 8, "index_topk": 64,
-          "index_topk_freq": 4, "index_skip_topk_offset": 3}
+GLM5_8 = {
+    "architectures": ["GlmMoeDsaForCausalLM"],
+    "num_hidden_layers": 8,
+    "index_topk": 64,
+    "index_topk_freq": 4,
+    "index_skip_topk_offset": 3,
+}
 DSV3_8 = {**GLM5_8, "architectures": ["DeepseekV3ForCausalLM"]}
-HYV4_8 = {"architectures": ["HYV4ForCausalLM"], "model_type": "hy_v4", "num_hidden_layers": 8,
-          "index_topk": 64, "layer_types": ["deepseek_sparse_attention"] * 8,
-          "indexer_types": ["full", "full", "shared", "shared", "shared", "full", "shared", "full"]}
-V41 = {"architectures": ["DeepseekV41ForCausalLM"], "num_hidden_layers": 4, "index_topk": 64,
-       "compress_ratios": [0, 1, 1, 2], "kv_source_layer_ids": [1]}
-MINIMAX_M3 = {"architectures": ["MiniMaxM3SparseForConditionalGeneration"], "text_config": {
-    "num_hidden_layers": 4, "index_topk": 64, "use_index_cache": True, "index_topk_freq": 2,
-    "sparse_attention_config": {"sparse_attention_freq": [0, 1, 1, 1]}}}
+HYV4_8 = {
+    "architectures": ["HYV4ForCausalLM"],
+    "model_type": "hy_v4",
+    "num_hidden_layers": 8,
+    "index_topk": 64,
+    "layer_types": ["deepseek_sparse_attention"] * 8,
+    "indexer_types": ["full", "full", "shared", "shared", "shared", "full", "shared", "full"],
+}
+V41 = {
+    "architectures": ["DeepseekV41ForCausalLM"],
+    "num_hidden_layers": 4,
+    "index_topk": 64,
+    "compress_ratios": [0, 1, 1, 2],
+    "kv_source_layer_ids": [1],
+}
+MINIMAX_M3 = {
+    "architectures": ["MiniMaxM3SparseForConditionalGeneration"],
+    "text_config": {
+        "num_hidden_layers": 4,
+        "index_topk": 64,
+        "use_index_cache": True,
+        "index_topk_freq": 2,
+        "sparse_attention_config": {"sparse_attention_freq": [0, 1, 1, 1]},
+    },
+}
 LOGICAL_BYTES = 8192 * 64 * 4
 
 
@@ -164,22 +197,58 @@ LOGICAL_BYTES = 8192 * 64 * 4
         (HYV4_8, "cuda", 4, "allocated at model load: logical top-k buffer only", LOGICAL_BYTES),
         (HYV4_8, "rocm", 4, "refused under DBO", None),
         ({**HYV4_8, "layer_types": ["full_attention"] * 8}, "cuda", 0, "no layer reuses", 0),
-        ({**V41, "index_source_layer_ids": [1]}, "cuda", 2, "allocated at model load: each "
-         "model-wide buffer", LOGICAL_BYTES),  # layers 2 and 3 reuse 1's top-k
+        (
+            {**V41, "index_source_layer_ids": [1]},
+            "cuda",
+            2,
+            "allocated at model load: each model-wide buffer",
+            LOGICAL_BYTES,
+        ),  # layers 2 and 3 reuse 1's top-k
         ({**V41, "index_source_layer_ids": [1]}, "rocm", 2, "refused under DBO", None),
         ({**V41, "index_source_layer_ids": [1, 2, 3]}, "cuda", 0, "no layer reuses", 0),
         ({**V41, "index_source_layer_ids": [1, 2, 3]}, "rocm", 0, "no layer reuses", 0),
-        ({**V41, "index_source_layer_ids": [1, 2, 3], "candidate_source_layer_id": 1,
-          "candidate_topk_blocks": 8}, "cuda", 2, "allocated", 8192 * 8 * 4),
-        ({**V41, "index_source_layer_ids": [1, 2, 3], "candidate_source_layer_id": 1,
-          "candidate_topk_blocks": 8}, "rocm", 2, "refused under DBO", None),
+        (
+            {
+                **V41,
+                "index_source_layer_ids": [1, 2, 3],
+                "candidate_source_layer_id": 1,
+                "candidate_topk_blocks": 8,
+            },
+            "cuda",
+            2,
+            "allocated",
+            8192 * 8 * 4,
+        ),
+        (
+            {
+                **V41,
+                "index_source_layer_ids": [1, 2, 3],
+                "candidate_source_layer_id": 1,
+                "candidate_topk_blocks": 8,
+            },
+            "rocm",
+            2,
+            "refused under DBO",
+            None,
+        ),
         # No candidate buffer without candidate_topk_blocks: nothing to copy.
-        pytest.param({**V41, "index_source_layer_ids": [1, 2, 3], "candidate_source_layer_id": 1},
-                     "cuda", 0, "no layer reuses", 0, id="v41-no-candidate-blocks"),
+        pytest.param(
+            {**V41, "index_source_layer_ids": [1, 2, 3], "candidate_source_layer_id": 1},
+            "cuda",
+            0,
+            "no layer reuses",
+            0,
+            id="v41-no-candidate-blocks",
+        ),
         (MINIMAX_M3, "rocm", 1, "refused under DBO", None),  # layer 2 reuses layer 1's
         (MINIMAX_M3, "cuda", 0, "nothing: every sparse layer runs its own indexer", 0),
-        ({**MINIMAX_M3, "text_config": {**MINIMAX_M3["text_config"], "use_index_cache": False}},
-         "rocm", 0, "no layer reuses", 0),
+        (
+            {**MINIMAX_M3, "text_config": {**MINIMAX_M3["text_config"], "use_index_cache": False}},
+            "rocm",
+            0,
+            "no layer reuses",
+            0,
+        ),
         ({**GLM5_8, "architectures": ["Glm5NextForCausalLM"]}, "cuda", 0, "nothing: every", 0),
     ],
 )
@@ -189,14 +258,25 @@ def test_memory_follows_the_architecture(capsys, config, platform, followers, ve
     assert report["followers"] == followers and report["verdict"].startswith(verdict)
     if verdict == "refused under DBO":
         assert report["bytes_total"] is None
-        assert memory_report(capsys, config, "--platform", platform, "--num-ubatches", "1")[
-            "bytes_total"] == 0
+        assert (
+            memory_report(capsys, config, "--platform", platform, "--num-ubatches", "1")[
+                "bytes_total"
+            ]
+            == 0
+        )
     elif total is not None:
         assert report["bytes_total"] == total
     else:  # a shared builder: the logical buffer and each followed group's physical state
-        assert report["bytes_total"] == ubatch_topk_bytes_per_extra_ubatch(
-            max_num_batched_tokens=8192, max_decode_rows=1024, index_topk=64,
-            groups_with_followers=report["groups_with_followers"]) > LOGICAL_BYTES
+        assert (
+            report["bytes_total"]
+            == ubatch_topk_bytes_per_extra_ubatch(
+                max_num_batched_tokens=8192,
+                max_decode_rows=1024,
+                index_topk=64,
+                groups_with_followers=report["groups_with_followers"],
+            )
+            > LOGICAL_BYTES
+        )
 
 
 def test_memory_notes_what_vllm_ignores(capsys):

@@ -20,15 +20,12 @@ import forkserver
 import vllm_dsa_dbo
 
 REPO = Path(__file__).resolve().parents[1]
-CORE_TEST = (
-    "tests/test_core.py::test_dbo_ubatch_followers_read_their_own_leaders_topk"
-)
+CORE_TEST = "tests/test_core.py::test_dbo_ubatch_followers_read_their_own_leaders_topk"
 HYV4_TEST = "tests/test_patch_hy_v4.py::test_hy_v4_followers_read_their_own_leaders_topk"
 ROCM_TEST = "tests/test_patch_rocm_dsa.py::test_rocm_dsa_followers_read_their_own_leaders_topk"
 COMPILED_TEST = "tests/test_patch_mla.py::test_compiled_dsa_followers_read_their_own_leaders_topk"
 V41_TEST = (
-    "tests/test_patch_deepseek_v41.py::"
-    "test_deepseek_v41_reusing_layers_read_their_own_ubatch_state"
+    "tests/test_patch_deepseek_v41.py::test_deepseek_v41_reusing_layers_read_their_own_ubatch_state"
 )
 TRACED_TEST = "tests/test_patch_mla.py::test_traced_code_reads_microbatch_0s_group_state"
 BACKENDS = "tests/test_sparse_mla_backends.py"
@@ -37,8 +34,12 @@ FA3_TEST = f"{BACKEND_TEST}[FLASH_ATTN_MLA_SPARSE-auto-decode-16h]"
 FLASHMLA_FP8_TEST = f"{BACKEND_TEST}[FLASHMLA_SPARSE-fp8_ds_mla-mixed-16h]"
 SM90_TEST = f"{BACKEND_TEST}[FLASHINFER_MLA_SPARSE_SM90-auto-mixed-16h]"
 XPU_TEST = f"{BACKENDS}::test_xpu_followers_share_one_buffer_and_are_refused"
-LOADER_TEST = "tests/test_patch_base_loader.py::test_refused_model_is_refused_whichever_loader_builds_it"
-ALIAS_TEST = "tests/test_patch_base_loader.py::test_loaders_imported_before_registration_get_the_check"
+LOADER_TEST = (
+    "tests/test_patch_base_loader.py::test_refused_model_is_refused_whichever_loader_builds_it"
+)
+ALIAS_TEST = (
+    "tests/test_patch_base_loader.py::test_loaders_imported_before_registration_get_the_check"
+)
 GUARD_TEST = (
     "tests/test_guard.py::test_other_version_refuses_dbo_with_shared_topk_and_runs_the_rest"
 )
@@ -439,8 +440,9 @@ MUTATIONS = {
 
 def run_test(package_root: Path, test: str = CORE_TEST) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(package_root)}
-    return forkserver.python(["-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", test],
-                             env, cwd=REPO)
+    return forkserver.python(
+        ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", test], env, cwd=REPO
+    )
 
 
 def copy_package(root: Path) -> Path:
@@ -451,10 +453,28 @@ def copy_package(root: Path) -> Path:
 
 @pytest.mark.parametrize(
     "test",
-    [CORE_TEST, HYV4_TEST, ROCM_TEST, COMPILED_TEST, FA3_TEST, XPU_TEST, V41_TEST,
-     DEMO_RAISE_TEST, REGISTER_ENV_TEST, STATUS_ENV_TEST, f"{BAD_CONFIG}[not-dsa]",
-     MEMORY_HYV4_TEST, MEMORY_V41_TEST, AB_QUESTIONS_TEST, AB_TWO_RUNS_TEST, RECORDS_TEST,
-     UPSTREAM_TEST, UPSTREAM_CODE_TEST, UPSTREAM_REFUSAL_TEST, UPSTREAM_DRY_RUN_TEST],
+    [
+        CORE_TEST,
+        HYV4_TEST,
+        ROCM_TEST,
+        COMPILED_TEST,
+        FA3_TEST,
+        XPU_TEST,
+        V41_TEST,
+        DEMO_RAISE_TEST,
+        REGISTER_ENV_TEST,
+        STATUS_ENV_TEST,
+        f"{BAD_CONFIG}[not-dsa]",
+        MEMORY_HYV4_TEST,
+        MEMORY_V41_TEST,
+        AB_QUESTIONS_TEST,
+        AB_TWO_RUNS_TEST,
+        RECORDS_TEST,
+        UPSTREAM_TEST,
+        UPSTREAM_CODE_TEST,
+        UPSTREAM_REFUSAL_TEST,
+        UPSTREAM_DRY_RUN_TEST,
+    ],
     ids=str,
 )
 def test_core_test_passes_on_unmutated_copy(test, tmp_path):

@@ -182,6 +182,8 @@ def test_startup_line_whichever_function_builds_the_model(fake_gpu, monkeypatch,
     if build == "initialize_model":
         tensorizer_loader.initialize_model(fake_gpu, model_class=Model, model_config=MODEL_CONFIG)
     else:
-        config = SimpleNamespace(hf_config=SimpleNamespace(), dtype=torch.float32, model_class=Model)
+        config = SimpleNamespace(
+            hf_config=SimpleNamespace(), dtype=torch.float32, model_class=Model
+        )
         tensorizer_loader.init_tensorizer_model(tensorizer_config=config, vllm_config=fake_gpu)
     assert "Model keeps shared top-k per DBO microbatch: 2 microbatches" in caplog.text

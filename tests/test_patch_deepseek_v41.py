@@ -18,8 +18,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn as nn
-
 from vllm.v1.worker.ubatching import dbo_current_ubatch_id, dbo_yield
+
 from vllm_dsa_dbo.testing import cpu_dbo
 
 INDEX_TOPK = 16
@@ -71,8 +71,9 @@ class DecoderLayer(nn.Module):
     DeepseekV4Attention.__init__ sets it; vLLM's DeepseekV4Indexer on index
     sources."""
 
-    def __init__(self, vllm_config, prefix, topk_indices_buffer=None,
-                 candidate_block_buffer=None, **kwargs) -> None:
+    def __init__(
+        self, vllm_config, prefix, topk_indices_buffer=None, candidate_block_buffer=None, **kwargs
+    ) -> None:
         from vllm.model_executor.models.utils import extract_layer_index
         from vllm.models.deepseek_v41.attention import DeepseekV4Indexer, DeepseekV4IndexerCache
         from vllm.models.deepseek_v41.nvidia.flashmla import DeepseekV4FlashMLAAttention
@@ -100,9 +101,17 @@ class DecoderLayer(nn.Module):
             )
             reads = 0 <= attn.candidate_source_layer <= layer_id
             attn.indexer = DeepseekV4Indexer(
-                vllm_config, config, config.hidden_size, config.q_lora_rank, None,
-                vllm_config.cache_config, topk_indices_buffer, attn.compress_ratio,
-                f"{prefix}.attn.indexer", owns_k=attn.is_kv_source, k_cache=k_cache,
+                vllm_config,
+                config,
+                config.hidden_size,
+                config.q_lora_rank,
+                None,
+                vllm_config.cache_config,
+                topk_indices_buffer,
+                attn.compress_ratio,
+                f"{prefix}.attn.indexer",
+                owns_k=attn.is_kv_source,
+                k_cache=k_cache,
                 main_head_dim=config.head_dim,
                 candidate_block_buffer=candidate_block_buffer if reads else None,
                 candidate_block_size=config.candidate_block_size,
@@ -224,14 +233,16 @@ def test_deepseek_v41_reusing_layers_read_their_own_ubatch_state(fake_gpu, monke
 def test_deepseek_v41_stock_buffers_cross_microbatches(fake_gpu, monkeypatch):
     """The same step without the copies: microbatch 0's reusing layers read
     microbatch 1's top-k and candidates, and the loader refuses the model."""
-    from vllm_dsa_dbo.patches import deepseek_v41_model
     from vllm_dsa_dbo.diagnostics.refusals import check_wired
+    from vllm_dsa_dbo.patches import deepseek_v41_model
 
     monkeypatch.setattr(deepseek_v41_model, "handed_off_buffers", lambda model: [])
     model = build_v41_model(monkeypatch, fake_gpu, enable_dbo=True)
 
     assert V41Step(model, monkeypatch).run() == [
-        (0, 1, "top-k"), (0, 2, "candidates"), (0, 3, "top-k")
+        (0, 1, "top-k"),
+        (0, 2, "candidates"),
+        (0, 3, "top-k"),
     ]
     with pytest.raises(ValueError, match="Drop --enable-dbo"):
         check_wired(model, 2)
@@ -321,7 +332,8 @@ def test_deepseek_v41_memory_formula_is_what_the_model_allocates(
     report = json.loads(capsys.readouterr().out)
     assert report["followers"] == 3  # layers 1 and 3 reuse top-k, 2's indexer candidates
     assert report["copied_buffers"] == {
-        "top-k buffer": INDEX_TOPK, "candidate-block buffer": CANDIDATE_TOPK_BLOCKS
+        "top-k buffer": INDEX_TOPK,
+        "candidate-block buffer": CANDIDATE_TOPK_BLOCKS,
     }
     assert report["bytes_per_extra_ubatch"] == allocated
     assert cli.main(args) == 0

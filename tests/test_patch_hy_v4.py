@@ -47,8 +47,9 @@ class DecoderLayer(nn.Module):
 
     block_type = "dense"
 
-    def __init__(self, *, config, vllm_config, cache_config, quant_config, prefix,
-                 topk_indices_buffer) -> None:
+    def __init__(
+        self, *, config, vllm_config, cache_config, quant_config, prefix, topk_indices_buffer
+    ) -> None:
         from vllm.config import CacheConfig
         from vllm.models.hy_v4.nvidia.attention import (
             HYV4MLAAttention,
@@ -68,8 +69,14 @@ class DecoderLayer(nn.Module):
                 attention_config=SimpleNamespace(sparse_mla_prefill_workspace_factor=1),
             )
             attn.indexer = Indexer(
-                indexer_config, config, config.hidden_size, 32, None, CacheConfig(),
-                topk_indices_buffer, f"{prefix}.self_attn.indexer",
+                indexer_config,
+                config,
+                config.hidden_size,
+                32,
+                None,
+                CacheConfig(),
+                topk_indices_buffer,
+                f"{prefix}.self_attn.indexer",
             )
         attn.mla_attn = nn.Module()
         attn.mla_attn.impl = make_impl(None, topk_indices_buffer, not attn.skip_topk, attn.indexer)
@@ -149,8 +156,11 @@ def test_hy_v4_without_dbo_allocates_nothing(fake_gpu, monkeypatch):
     model = build_hyv4_model(monkeypatch, fake_gpu, enable_dbo=False)
     groups = [layer.self_attn.mla_attn.impl.index_group for layer in model.layers]
     assert all(not g.ubatch_logical_topk.buffers for g in groups)
-    assert all(layer.self_attn.indexer.indexer_op.index_group is None
-               for layer in model.layers if layer.self_attn.indexer is not None)
+    assert all(
+        layer.self_attn.indexer.indexer_op.index_group is None
+        for layer in model.layers
+        if layer.self_attn.indexer is not None
+    )
     check_wired(model)
     assert describe(model) is None
 
@@ -158,8 +168,8 @@ def test_hy_v4_without_dbo_allocates_nothing(fake_gpu, monkeypatch):
 def test_hy_v4_unwired_followers_are_refused(fake_gpu, monkeypatch):
     """Private follower groups without per-microbatch copies (as HYV4 on ROCm
     builds them): the loader refuses the model under DBO."""
-    from vllm_dsa_dbo.patches import hy_v4_model
     from vllm_dsa_dbo.diagnostics.refusals import check_wired
+    from vllm_dsa_dbo.patches import hy_v4_model
 
     monkeypatch.setattr(hy_v4_model, "share_ubatch_logical_topk", lambda groups, leaders: None)
     model = build_hyv4_model(monkeypatch, fake_gpu, enable_dbo=True)

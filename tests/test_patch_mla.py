@@ -30,7 +30,9 @@ from vllm_dsa_dbo.testing.stack import (
 )
 
 LEADERS = [True, True, False, False]
-HF_CONFIG = SimpleNamespace(index_topk=128, index_n_heads=2, index_head_dim=128, qk_rope_head_dim=64)
+HF_CONFIG = SimpleNamespace(
+    index_topk=128, index_n_heads=2, index_head_dim=128, qk_rope_head_dim=64
+)
 HIDDEN = 64
 
 
@@ -74,18 +76,42 @@ def build_layers(
         indexer = None
         if leads:
             indexer = Indexer(
-                indexer_config, HF_CONFIG, HIDDEN, 32, None, CacheConfig(), buffer,
+                indexer_config,
+                HF_CONFIG,
+                HIDDEN,
+                32,
+                None,
+                CacheConfig(),
+                buffer,
                 f"{prefix}.indexer",
             )
         modules = MLAModules(
-            kv_a_layernorm=None, kv_b_proj=None, rotary_emb=None, o_proj=None,
-            fused_qkv_a_proj=None, kv_a_proj_with_mqa=None, q_a_layernorm=None,
-            q_b_proj=None, q_proj=None, indexer=indexer, is_sparse=True,
-            topk_indices_buffer=buffer, index_group_builder=builder,
+            kv_a_layernorm=None,
+            kv_b_proj=None,
+            rotary_emb=None,
+            o_proj=None,
+            fused_qkv_a_proj=None,
+            kv_a_proj_with_mqa=None,
+            q_a_layernorm=None,
+            q_b_proj=None,
+            q_proj=None,
+            indexer=indexer,
+            is_sparse=True,
+            topk_indices_buffer=buffer,
+            index_group_builder=builder,
         )
         layers.append(
             MultiHeadLatentAttentionWrapper(
-                HIDDEN, 1, 1.0, 128, 64, 128, 32, 512, modules, prefix=prefix,
+                HIDDEN,
+                1,
+                1.0,
+                128,
+                64,
+                128,
+                32,
+                512,
+                modules,
+                prefix=prefix,
                 skip_topk=not leads,
             )
         )

@@ -44,10 +44,19 @@ def hf_config():
     from transformers import DeepseekV3Config
 
     config = DeepseekV3Config(
-        num_hidden_layers=4, hidden_size=64, num_attention_heads=16, q_lora_rank=32,
-        kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-        vocab_size=64, intermediate_size=64, moe_intermediate_size=64,
-        n_routed_experts=1, first_k_dense_replace=4,
+        num_hidden_layers=4,
+        hidden_size=64,
+        num_attention_heads=16,
+        q_lora_rank=32,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        vocab_size=64,
+        intermediate_size=64,
+        moe_intermediate_size=64,
+        n_routed_experts=1,
+        first_k_dense_replace=4,
     )
     # index_topk_freq 3 with vLLM's default offset 2: layers 2 and 3 reuse 1's.
     config.index_topk, config.index_n_heads, config.index_head_dim = INDEX_TOPK, 2, 128
@@ -68,8 +77,11 @@ def build_rocm_dsa_model(monkeypatch, vllm_env, enable_dbo: bool):
     monkeypatch.setattr(vllm_env.compilation_config, "static_forward_context", {})
     monkeypatch.setattr(vllm_env.scheduler_config, "max_num_batched_tokens", MAX_NUM_BATCHED_TOKENS)
     monkeypatch.setattr(vllm_env.attention_config, "sparse_mla_prefill_workspace_factor", 1)
-    monkeypatch.setattr(vllm_env, "model_config", SimpleNamespace(
-        max_model_len=64, dtype=torch.bfloat16, hf_config=hf, hf_text_config=hf))
+    monkeypatch.setattr(
+        vllm_env,
+        "model_config",
+        SimpleNamespace(max_model_len=64, dtype=torch.bfloat16, hf_config=hf, hf_text_config=hf),
+    )
     monkeypatch.setattr(mla_attention, "get_mla_prefill_backend", no_prefill_backend)
     if not workspace.is_workspace_manager_initialized():
         workspace.init_workspace_manager(torch.device("cpu"), 2)
@@ -94,23 +106,30 @@ class ROCmDSAStep:
         self.attns = [layer.self_attn for layer in model.layers]
         self.inputs = {
             (u, i): logical_topk(Source(u, i))
-            for u in (0, 1) for i, leads in enumerate(LEADERS) if leads
+            for u in (0, 1)
+            for i, leads in enumerate(LEADERS)
+            if leads
         }
         self.kv_cache = torch.zeros(64, BLOCK_SIZE, 576, dtype=torch.bfloat16)
         fields = ROCMAiterMLASparseMetadata.__dataclass_fields__
         self.defaults = {f: fields[f].default for f in ("remapped_buf", "remapped_epoch")}
         # One metadata object per microbatch and attention group.
-        self.metadata = {
-            (u, g): self.new_metadata(u) for u in (0, 1) for g in set(METADATA_GROUP)
-        }
+        self.metadata = {(u, g): self.new_metadata(u) for u in (0, 1) for g in set(METADATA_GROUP)}
         self.op_buffers: list[torch.Tensor] = []
         self.read_indices: list[torch.Tensor] = []
-        monkeypatch.setattr(torch.ops.vllm, "rocm_aiter_sparse_attn_indexer",
-                            self._indexer_kernel, raising=False)
-        monkeypatch.setitem(sys.modules, "vllm.platforms.rocm",
-                            SimpleNamespace(on_gfx11=lambda: False, on_gfx950=lambda: True))
-        monkeypatch.setattr(ROCMAiterMLASparseImpl, "_forward_mla",
-                            lambda impl, *args: self._attention_kernel(impl, *args))
+        monkeypatch.setattr(
+            torch.ops.vllm, "rocm_aiter_sparse_attn_indexer", self._indexer_kernel, raising=False
+        )
+        monkeypatch.setitem(
+            sys.modules,
+            "vllm.platforms.rocm",
+            SimpleNamespace(on_gfx11=lambda: False, on_gfx950=lambda: True),
+        )
+        monkeypatch.setattr(
+            ROCMAiterMLASparseImpl,
+            "_forward_mla",
+            lambda impl, *args: self._attention_kernel(impl, *args),
+        )
 
     def new_metadata(self, ubatch: int) -> SimpleNamespace:
         """What a microbatch's ROCMAiterMLASparseMetadataBuilder hands the
@@ -127,8 +146,9 @@ class ROCmDSAStep:
             **self.defaults,
         )
 
-    def _indexer_kernel(self, hidden_states, prefix, kv_cache, q_fp8, k, weights,
-                        *args, **kwargs) -> torch.Tensor:
+    def _indexer_kernel(
+        self, hidden_states, prefix, kv_cache, q_fp8, k, weights, *args, **kwargs
+    ) -> torch.Tensor:
         """torch.ops.vllm.rocm_aiter_sparse_attn_indexer: writes the pending
         top-k into the buffer the op was handed (its 13th argument)."""
         buffer = args[6]
@@ -167,9 +187,14 @@ class ROCmDSAStep:
         meta = self.new_metadata(source.ubatch)
         n = TOKENS_PER_UBATCH[source.ubatch]
         triton_convert_req_index_to_global_index(
-            meta.req_id_per_token, meta.block_table, self.inputs[source.ubatch, source.leader],
-            meta.paged_kv_indptr, meta.paged_kv_indices, BLOCK_STRIDE_ROWS=BLOCK_SIZE,
-            BLOCK_SIZE=BLOCK_SIZE, NUM_TOPK_TOKENS=INDEX_TOPK,
+            meta.req_id_per_token,
+            meta.block_table,
+            self.inputs[source.ubatch, source.leader],
+            meta.paged_kv_indptr,
+            meta.paged_kv_indices,
+            BLOCK_STRIDE_ROWS=BLOCK_SIZE,
+            BLOCK_SIZE=BLOCK_SIZE,
+            NUM_TOPK_TOKENS=INDEX_TOPK,
         )
         return meta.paged_kv_indices[: n * INDEX_TOPK].clone()
 
@@ -189,15 +214,22 @@ class ROCmDSAStep:
                 dbo_yield()
 
         run_dbo_step(step)
-        written = {s: (self.inputs[s.ubatch, s.leader], self.physical(s))
-                   for s in (Source(u, i) for (u, i) in self.inputs)}
+        written = {
+            s: (self.inputs[s.ubatch, s.leader], self.physical(s))
+            for s in (Source(u, i) for (u, i) in self.inputs)
+        }
 
         def source(read: torch.Tensor, part: int) -> Source | None:
             return next((s for s, w in written.items() if torch.equal(read, w[part])), None)
 
         return [
-            (layer, u, Source(u, max(i for i in range(layer + 1) if LEADERS[i])),
-             source(logical, 0), source(physical, 1))
+            (
+                layer,
+                u,
+                Source(u, max(i for i in range(layer + 1) if LEADERS[i])),
+                source(logical, 0),
+                source(physical, 1),
+            )
             for (layer, u), (logical, physical) in sorted(raw.items())
         ]
 
@@ -207,7 +239,6 @@ def test_rocm_dsa_followers_read_their_own_leaders_topk(fake_gpu, monkeypatch):
     from vllm.v1.attention.backends.mla.rocm_aiter_mla_sparse import ROCMAiterMLASparseImpl
 
     from vllm_dsa_dbo.diagnostics.refusals import check_wired
-
     from vllm_dsa_dbo.diagnostics.startup import describe
 
     model = build_rocm_dsa_model(monkeypatch, fake_gpu, enable_dbo=True)
@@ -219,8 +250,11 @@ def test_rocm_dsa_followers_read_their_own_leaders_topk(fake_gpu, monkeypatch):
 
     reads = step.run()
 
-    wrong = [(layer, u, logical, physical) for layer, u, expected, logical, physical in reads
-             if not logical == physical == expected]
+    wrong = [
+        (layer, u, logical, physical)
+        for layer, u, expected, logical, physical in reads
+        if not logical == physical == expected
+    ]
     assert wrong == []
     assert len(reads) == 8 and len(step.op_buffers) == 4
     # Microbatch 1's leaders wrote the extra buffer, microbatch 0's vLLM's own.
@@ -245,8 +279,8 @@ def test_rocm_dsa_without_dbo_allocates_nothing(fake_gpu, monkeypatch):
 
 def test_rocm_dsa_unwired_followers_are_refused(fake_gpu, monkeypatch):
     """The ROCm DSA model as vLLM builds it, unwired: the loader refuses it under DBO."""
-    from vllm_dsa_dbo.patches import rocm_dsa_model
     from vllm_dsa_dbo.diagnostics.refusals import check_wired
+    from vllm_dsa_dbo.patches import rocm_dsa_model
 
     monkeypatch.setattr(rocm_dsa_model, "share_ubatch_logical_topk", lambda groups, leaders: None)
     model = build_rocm_dsa_model(monkeypatch, fake_gpu, enable_dbo=True)

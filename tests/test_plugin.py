@@ -58,13 +58,21 @@ CHECKER = """
 @pytest.mark.parametrize(
     "env, patched, checker, logged",
     [
-        ({"VLLM_DSA_DBO_CHECK": "bogus"}, True, None,
-         "VLLM_DSA_DBO_CHECK='bogus' is not understood: set raise or audit to turn the checker "
-         "on, or unset it (0, false, no, off or none also mean off). The isolation checker "
-         "stays off."),
-        ({"VLLM_DSA_DBO_DISABLE": "maybe"}, True, None,
-         "VLLM_DSA_DBO_DISABLE='maybe' is not understood: set 1, true, yes or on to turn the "
-         "fix off, or unset it (0, false, no, off or none also mean off). The fix is applied."),
+        (
+            {"VLLM_DSA_DBO_CHECK": "bogus"},
+            True,
+            None,
+            "VLLM_DSA_DBO_CHECK='bogus' is not understood: set raise or audit to turn the checker "
+            "on, or unset it (0, false, no, off or none also mean off). The isolation checker "
+            "stays off.",
+        ),
+        (
+            {"VLLM_DSA_DBO_DISABLE": "maybe"},
+            True,
+            None,
+            "VLLM_DSA_DBO_DISABLE='maybe' is not understood: set 1, true, yes or on to turn the "
+            "fix off, or unset it (0, false, no, off or none also mean off). The fix is applied.",
+        ),
         ({"VLLM_DSA_DBO_CHECK": "off", "VLLM_DSA_DBO_DISABLE": "0"}, True, None, None),
         ({"VLLM_DSA_DBO_CHECK": "Audit", "VLLM_DSA_DBO_DISABLE": "yes"}, False, "audit", None),
     ],
@@ -112,11 +120,12 @@ def test_version_guard(version, ok):
 
 
 def test_register_twice_patches_once(vllm_env):
-    import vllm_dsa_dbo
     from vllm.model_executor.layers.attention.sparse_mla_attention import (
         SharedTopkIndicesBuffer,
     )
     from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroupBuilder
+
+    import vllm_dsa_dbo
 
     prop = SharedTopkIndicesBuffer.topk_indices_buffer
     init = SparseMLAIndexGroupBuilder.__init__

@@ -166,20 +166,26 @@ def install_kernels(variant: Variant, monkeypatch) -> Kernels:
     monkeypatch.setenv("VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE", str(1 << 20))
     if variant.backend.startswith("FLASH_ATTN"):
         fake_flash_attn(monkeypatch)
-        monkeypatch.setattr(variant.module, "flash_attn_varlen_func",
-                            kernels.flash_attn_varlen_func)
+        monkeypatch.setattr(
+            variant.module, "flash_attn_varlen_func", kernels.flash_attn_varlen_func
+        )
     if variant.backend in ("FLASHINFER_MLA_SPARSE", "FLASH_ATTN_MLA_SPARSE_FA4"):
         import flashinfer.decode  # seconds to import: only where it runs
 
-        monkeypatch.setattr(flashinfer.decode, "trtllm_batch_decode_with_kv_cache_mla",
-                            kernels.trtllm_decode)
+        monkeypatch.setattr(
+            flashinfer.decode, "trtllm_batch_decode_with_kv_cache_mla", kernels.trtllm_decode
+        )
     if variant.backend == "FLASHINFER_MLA_SPARSE_SM120":
-        monkeypatch.setattr(vllm_flashinfer, "flashinfer_trtllm_batch_decode_with_kv_cache_mla",
-                            kernels.trtllm_decode)
+        monkeypatch.setattr(
+            vllm_flashinfer,
+            "flashinfer_trtllm_batch_decode_with_kv_cache_mla",
+            kernels.trtllm_decode,
+        )
     if variant.backend == "FLASHMLA_SPARSE":
         monkeypatch.setattr(variant.module, "flash_mla_sparse_fwd", kernels.flash_mla_sparse_fwd)
-        monkeypatch.setattr(variant.module, "flash_mla_with_kvcache",
-                            kernels.flash_mla_with_kvcache)
+        monkeypatch.setattr(
+            variant.module, "flash_mla_with_kvcache", kernels.flash_mla_with_kvcache
+        )
         monkeypatch.setattr(_custom_ops, "concat_mla_q", concat_mla_q)
     if variant.backend == "XPU_MLA_SPARSE":
         monkeypatch.setattr(variant.module, "triton_bf16_mla_sparse_interface", kernels.xpu_sparse)
@@ -191,11 +197,13 @@ def sparse_env(fake_gpu, monkeypatch):
     """A CPU vLLM config sized like the demo's, with its workspaces."""
     from vllm.v1.worker import workspace
 
-    monkeypatch.setattr(fake_gpu.scheduler_config, "max_num_batched_tokens",
-                        MAX_NUM_BATCHED_TOKENS)
+    monkeypatch.setattr(fake_gpu.scheduler_config, "max_num_batched_tokens", MAX_NUM_BATCHED_TOKENS)
     monkeypatch.setattr(fake_gpu.attention_config, "sparse_mla_prefill_workspace_factor", 1)
-    monkeypatch.setattr(fake_gpu, "model_config", SimpleNamespace(
-        max_model_len=64, hf_text_config=SimpleNamespace(model_type="glm_moe_dsa")))
+    monkeypatch.setattr(
+        fake_gpu,
+        "model_config",
+        SimpleNamespace(max_model_len=64, hf_text_config=SimpleNamespace(model_type="glm_moe_dsa")),
+    )
     if not workspace.is_workspace_manager_initialized():
         workspace.init_workspace_manager(torch.device("cpu"), 2)
     return fake_gpu
@@ -204,33 +212,52 @@ def sparse_env(fake_gpu, monkeypatch):
 class BackendStack:
     """Four sparse MLA layers of one backend sharing an index-group builder."""
 
-    def __init__(self, variant: Variant, monkeypatch, num_ubatches: int = 2,
-                 leaders: list[bool] = LEADERS) -> None:
+    def __init__(
+        self, variant: Variant, monkeypatch, num_ubatches: int = 2, leaders: list[bool] = LEADERS
+    ) -> None:
         from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroupBuilder
 
         self.variant, self.leaders = variant, leaders
         self.kernels = install_kernels(variant, monkeypatch)
         self.buffer = torch.full((MAX_NUM_BATCHED_TOKENS, INDEX_TOPK), -1, dtype=torch.int32)
         self.builder = SparseMLAIndexGroupBuilder(
-            self.buffer, MAX_DECODE_ROWS, num_ubatches=num_ubatches)
+            self.buffer, MAX_DECODE_ROWS, num_ubatches=num_ubatches
+        )
         self.impls = [self.new_impl(self.builder, self.buffer, leads) for leads in leaders]
         self.attns = [self.module_of(impl, leads) for impl, leads in zip(self.impls, leaders)]
         self.metadata = [self.new_metadata(u) for u in (0, 1)]
         self.kv_cache = self.new_kv_cache()
-        self.inputs = {(u, i): logical_topk(Source(u, i))
-                       for u in (0, 1) for i, leads in enumerate(leaders) if leads}
+        self.inputs = {
+            (u, i): logical_topk(Source(u, i))
+            for u in (0, 1)
+            for i, leads in enumerate(leaders)
+            if leads
+        }
 
     def new_impl(self, builder: Any, buffer: torch.Tensor, leads: bool) -> Any:
         """The backend's impl as MLAAttention builds it (leaders own an indexer)."""
         v = self.variant
         return v.impl_cls(
-            num_heads=v.num_heads, head_size=576, scale=1.0, num_kv_heads=1,
-            alibi_slopes=None, sliding_window=None, kv_cache_dtype=v.kv_cache_dtype,
-            logits_soft_cap=None, attn_type="decoder", kv_sharing_target_layer_name=None,
-            q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64,
-            qk_head_dim=256, v_head_dim=256, kv_b_proj=None,
+            num_heads=v.num_heads,
+            head_size=576,
+            scale=1.0,
+            num_kv_heads=1,
+            alibi_slopes=None,
+            sliding_window=None,
+            kv_cache_dtype=v.kv_cache_dtype,
+            logits_soft_cap=None,
+            attn_type="decoder",
+            kv_sharing_target_layer_name=None,
+            q_lora_rank=None,
+            kv_lora_rank=512,
+            qk_nope_head_dim=192,
+            qk_rope_head_dim=64,
+            qk_head_dim=256,
+            v_head_dim=256,
+            kv_b_proj=None,
             indexer=SimpleNamespace(topk_indices_buffer=buffer) if leads else None,
-            topk_indices_buffer=buffer, index_group_builder=builder,
+            topk_indices_buffer=buffer,
+            index_group_builder=builder,
         )
 
     def module_of(self, impl: Any, leads: bool) -> nn.Module:
@@ -261,17 +288,21 @@ class BackendStack:
         meta.topk_tokens = INDEX_TOPK
         FP8 = flashmla_sparse.FlashMLASparseMetadata
         kernel_meta = FP8.FP8KernelMetadata(
-            scheduler_metadata=None, dummy_block_table=torch.zeros(n, 1, dtype=torch.int32),
-            cache_lens=torch.full((n,), 64, dtype=torch.int32))
+            scheduler_metadata=None,
+            dummy_block_table=torch.zeros(n, 1, dtype=torch.int32),
+            cache_lens=torch.full((n,), 64, dtype=torch.int32),
+        )
         meta.fp8_use_mixed_batch = v.num_heads < flashmla_sparse.MIN_HEADS_FOR_BF16_PREFILL
         if meta.fp8_use_mixed_batch:
             meta.fp8_extra_metadata = kernel_meta
         else:
             meta.fp8_extra_metadata = FP8.FP8SeparatePrefillDecode(
-                num_decodes=n, num_decode_tokens=n,
+                num_decodes=n,
+                num_decode_tokens=n,
                 decode=FP8.FP8SeparatePrefillDecode.Decode(
-                    seq_lens=kernel_meta.cache_lens, kernel_metadata=kernel_meta,
-                    decode_query_len=1))
+                    seq_lens=kernel_meta.cache_lens, kernel_metadata=kernel_meta, decode_query_len=1
+                ),
+            )
         if v.backend == "FLASHINFER_MLA_SPARSE_SM90":
             meta.state = self.sm90_state(n)
         return meta
@@ -280,8 +311,18 @@ class BackendStack:
         """The builder-owned state; plan() for full-width rows sets these offsets."""
         from vllm.v1.attention.backends.mla.flashinfer_mla_sparse_sm90 import _SM90State
 
-        state = _SM90State(torch.device("cpu"), self.variant.num_heads, torch.bfloat16,
-                           MAX_NUM_BATCHED_TOKENS, INDEX_TOPK, 512, 64, 1.0, INDEX_TOPK, 1)
+        state = _SM90State(
+            torch.device("cpu"),
+            self.variant.num_heads,
+            torch.bfloat16,
+            MAX_NUM_BATCHED_TOKENS,
+            INDEX_TOPK,
+            512,
+            64,
+            1.0,
+            INDEX_TOPK,
+            1,
+        )
         torch.arange(MAX_NUM_BATCHED_TOKENS + 1, out=state.kv_indptr).mul_(INDEX_TOPK)
         state.wrapper.run = self.kernels.sm90_run(state, num_tokens)
         return state
@@ -327,14 +368,14 @@ class BackendStack:
             for layer, leads in enumerate(self.leaders):
                 if leads:
                     self.lead(layer, ubatch)
-                raw[layer, ubatch] = self.forward(
-                    self.impls[layer], ubatch, self.metadata[ubatch])
+                raw[layer, ubatch] = self.forward(self.impls[layer], ubatch, self.metadata[ubatch])
                 dbo_yield()
 
         run_dbo_step(step)
         expected = {Source(u, i): self.alone(Source(u, i)) for u, i in self.inputs}
         return [
-            (layer, u) for (layer, u), read in sorted(raw.items())
+            (layer, u)
+            for (layer, u), read in sorted(raw.items())
             if not _same(read, expected[Source(u, self.leader_of(layer))])
         ]
 

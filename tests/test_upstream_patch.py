@@ -43,18 +43,26 @@ def small_tree(root: Path, link: bool = False) -> Path:
 def snapshot(root: Path) -> dict[str, bytes]:
     return {
         str(p.relative_to(root)): p.read_bytes()
-        for p in root.rglob("*") if p.is_file() and not p.is_symlink()
+        for p in root.rglob("*")
+        if p.is_file() and not p.is_symlink()
     }
 
 
 def run_tree_tests(root: Path, *args: str) -> subprocess.CompletedProcess:
     """pytest in `root` with its `vllm/` first on the path and no plugin loaded."""
     path = os.environ.get("PYTHONPATH")
-    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep + path if path else ''}",
-           "VLLM_PLUGINS": ""}
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{root}{os.pathsep + path if path else ''}",
+        "VLLM_PLUGINS": "",
+    }
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
-        cwd=root, env=env, capture_output=True, text=True, timeout=600,
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
 
 
@@ -76,14 +84,16 @@ def test_inserted_code_is_the_core_and_the_model_passes_the_microbatch_count(tmp
         assert upstream.statement_text(core, bound[name]) in index_group, name
     model = ast.parse(changes[upstream.DSV32_MODEL][1])
     calls = [
-        n for n in ast.walk(model)
+        n
+        for n in ast.walk(model)
         if isinstance(n, ast.Call) and ast.unparse(n.func) == "SparseMLAIndexGroupBuilder"
     ]
     assert [ast.unparse(k) for c in calls for k in c.keywords] == [
         "num_ubatches=get_num_ubatches(vllm_config.parallel_config)"
     ]
-    assert "\nfrom vllm.v1.worker.ubatch_utils import get_num_ubatches\n" in (
-        changes[upstream.DSV32_MODEL][1]
+    assert (
+        "\nfrom vllm.v1.worker.ubatch_utils import get_num_ubatches\n"
+        in (changes[upstream.DSV32_MODEL][1])
     )
 
 
@@ -100,25 +110,39 @@ def test_diff_applies_with_git_and_dry_run_writes_nothing(tmp_path, capsys):
     out = tmp_path / "copy"
     assert main(["upstream-patch", "--out", str(out), str(tree)]) == 0
     assert snapshot(tree) == before
-    assert snapshot(out) == {**before, **{p: new.encode() for p, (_, new) in
-                                          upstream.plan(tree).items()}}
+    assert snapshot(out) == {
+        **before,
+        **{p: new.encode() for p, (_, new) in upstream.plan(tree).items()},
+    }
 
 
 @pytest.mark.parametrize(
     "path, old, new, place",
     [
-        (upstream.INDEX_GROUP, "    def register_layer(\n        self,\n        is_index",
-         "    def add_layer(\n        self,\n        is_index",
-         "SparseMLAIndexGroupBuilder.register_layer"),
-        (upstream.SPARSE_MLA, "    @property\n    def topk_indices_buffer",
-         "    def topk_indices_buffer", "SharedTopkIndicesBuffer.topk_indices_buffer"),
-        (upstream.DSV32_MODEL, "        index_group_builder = SparseMLAIndexGroupBuilder(",
-         "        index_group_builder = make_builder(", "SparseMLAIndexGroupBuilder(...)"),
+        (
+            upstream.INDEX_GROUP,
+            "    def register_layer(\n        self,\n        is_index",
+            "    def add_layer(\n        self,\n        is_index",
+            "SparseMLAIndexGroupBuilder.register_layer",
+        ),
+        (
+            upstream.SPARSE_MLA,
+            "    @property\n    def topk_indices_buffer",
+            "    def topk_indices_buffer",
+            "SharedTopkIndicesBuffer.topk_indices_buffer",
+        ),
+        (
+            upstream.DSV32_MODEL,
+            "        index_group_builder = SparseMLAIndexGroupBuilder(",
+            "        index_group_builder = make_builder(",
+            "SparseMLAIndexGroupBuilder(...)",
+        ),
     ],
     ids=["builder method renamed", "getter no property", "model builds no builder"],
 )
-def test_tree_missing_a_place_is_refused_and_nothing_written(tmp_path, capsys, path, old, new,
-                                                             place):
+def test_tree_missing_a_place_is_refused_and_nothing_written(
+    tmp_path, capsys, path, old, new, place
+):
     tree = small_tree(tmp_path)
     file = tree / path
     assert file.read_text().count(old) == 1

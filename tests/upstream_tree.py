@@ -33,7 +33,10 @@ def installed_vllm() -> Path:
     """The installed vLLM's package folder, found without importing it."""
     result = subprocess.run(
         [sys.executable, "-c", "import importlib.util as u; print(u.find_spec('vllm').origin)"],
-        capture_output=True, text=True, check=True, cwd="/",
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd="/",
     )
     return Path(result.stdout.strip()).parent
 
@@ -44,7 +47,8 @@ def extract_tree(sdist: Path, dest: Path) -> Path:
     prefix = f"{root.name}/"
     with tarfile.open(sdist) as tar:
         members = [
-            m for m in tar.getmembers()
+            m
+            for m in tar.getmembers()
             if m.name.startswith((f"{prefix}vllm/", f"{prefix}tests/"))
             or (m.name.count("/") == 1 and m.isfile())
         ]
@@ -69,7 +73,8 @@ def patch_tree(root: Path) -> subprocess.CompletedProcess:
     """`vllm-dsa-dbo upstream-patch root`, its output captured."""
     return subprocess.run(
         [sys.executable, "-m", "vllm_dsa_dbo.cli", "upstream-patch", str(root)],
-        capture_output=True, text=True,
+        capture_output=True,
+        text=True,
     )
 
 
@@ -77,7 +82,11 @@ def imports_from(root: Path) -> str:
     """Where `import vllm` resolves for a run in `root`."""
     result = subprocess.run(
         [sys.executable, "-c", "import vllm; print(vllm.__file__)"],
-        cwd=root, env=tree_env(root), capture_output=True, text=True, check=True,
+        cwd=root,
+        env=tree_env(root),
+        capture_output=True,
+        text=True,
+        check=True,
     )
     return result.stdout.strip()
 
@@ -124,8 +133,10 @@ def main(argv: list[str]) -> int:
     for test in sorted(set(before) | set(after)):
         if before.get(test) != after.get(test):
             print(f"  {test}: unpatched {before.get(test)}, patched {after.get(test)}")
-    new = {n: timed_run(f"-k dbo_ubatch, {n}", root, [NEW_TEST, "-k", "dbo_ubatch"])[1]
-           for n, root in trees.items()}
+    new = {
+        n: timed_run(f"-k dbo_ubatch, {n}", root, [NEW_TEST, "-k", "dbo_ubatch"])[1]
+        for n, root in trees.items()
+    }
     fixed = bool(new["patched"]) and set(new["patched"].values()) == {"passed"}
     print("dbo_ubatch: passes patched" if fixed else "dbo_ubatch: DOES NOT PASS patched")
     return 0 if same and fixed else 1

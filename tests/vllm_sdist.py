@@ -60,8 +60,11 @@ def sdist_entry(index: str) -> tuple[str, str]:
     with urllib.request.urlopen(request, timeout=60) as response:
         kind, body = response.headers.get_content_type(), response.read().decode()
     if kind.endswith("json"):
-        entries = [(f["url"], f["hashes"].get("sha256")) for f in json.loads(body)["files"]
-                   if f["filename"] == SDIST]
+        entries = [
+            (f["url"], f["hashes"].get("sha256"))
+            for f in json.loads(body)["files"]
+            if f["filename"] == SDIST
+        ]
     else:
         entries = re.findall(rf'href="([^"#]*/{re.escape(SDIST)})#sha256=([0-9a-f]+)"', body)
     if not entries or not entries[0][1]:
@@ -142,8 +145,16 @@ def run(
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.xml"
         result = subprocess.run(
-            [sys.executable, "-c", RUNNERS[mode], "-q", "-p", "no:cacheprovider",
-             f"--junitxml={report}", *args],
+            [
+                sys.executable,
+                "-c",
+                RUNNERS[mode],
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                f"--junitxml={report}",
+                *args,
+            ],
             cwd=root,
             env=env,
             capture_output=True,

@@ -45,10 +45,26 @@ def run(out_dir: Path, model: Path, name: str, *flags: str, fix: bool) -> dict:
         "VLLM_DSA_DBO_DISABLE": "" if fix else "1",
     }
     subprocess.run(
-        [sys.executable, "-m", "dsa_dbo_harness.run", "--model", str(model), "--out", str(out),
-         "--all2all", "deepep_ht", "--kv-cache-dtype", "fp8", "--prefix-caching",
-         "--gpu-memory-utilization", "0.3", *flags],
-        env=env, check=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "dsa_dbo_harness.run",
+            "--model",
+            str(model),
+            "--out",
+            str(out),
+            "--all2all",
+            "deepep_ht",
+            "--kv-cache-dtype",
+            "fp8",
+            "--prefix-caching",
+            "--gpu-memory-utilization",
+            "0.3",
+            *flags,
+        ],
+        env=env,
+        check=True,
+        timeout=300,
     )
     return json.loads(out.read_text())
 
@@ -68,9 +84,7 @@ def test_dbo_on_matches_off_only_with_the_fix(tmp_path):
     for result, active in ((stock, False), (fixed, True)):
         assert result["harness_gates"] == []
         assert min(microbatched(result)) >= 20
-        assert all(
-            w["plugin_patched"] is active for r in result["ranks"] for w in r["workers"]
-        )
+        assert all(w["plugin_patched"] is active for r in result["ranks"] for w in r["workers"])
     assert violations(off) == 0 and violations(fixed) == 0
     assert violations(stock) > 0
     floor, without, with_fix = compare(off, off_b), compare(off, stock), compare(off, fixed)

@@ -10,7 +10,6 @@ from pathlib import Path
 
 from dsa_dbo_harness.model import CONFIG
 from dsa_dbo_harness.serve import task_texts, write_tokenizer
-
 from vllm_dsa_dbo.ab import prompts, read_docs
 
 TASK = Path(__file__).resolve().parent / "gsm8k_local"
@@ -28,7 +27,6 @@ def test_answers_are_right():
 
 def test_tokenizer_loads_decodes_every_id_and_prompts_pass_index_topk(tmp_path):
     from transformers import AutoTokenizer
-
     from vllm.tokenizers.registry import get_tokenizer
 
     write_tokenizer(tmp_path, task_texts(TASK))

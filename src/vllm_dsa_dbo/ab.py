@@ -162,8 +162,11 @@ def check_same_questions(ref: Run, run: Run) -> None:
         raise ABError(
             f"{run.name}: filters {sorted(run.correct)} are not {ref.name}'s {sorted(ref.correct)}"
         )
-    differ = [q for q, key in run.questions.items()
-              if key is not None and ref.questions.get(q) not in (None, key)]
+    differ = [
+        q
+        for q, key in run.questions.items()
+        if key is not None and ref.questions.get(q) not in (None, key)
+    ]
     if differ:
         raise ABError(
             f"{run.name}: {len(differ)} doc ids (first {min(differ)}) hold other questions "
@@ -283,8 +286,13 @@ def served_model(base_url: str) -> str:
 
 
 def complete(base_url: str, model: str, prompt: str, max_tokens: int) -> str:
-    payload = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-               "stop": [STOP]}
+    payload = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stop": [STOP],
+    }
     body = _call(f"{base_url}/completions", payload)
     try:
         text = body["choices"][0]["text"]
@@ -296,7 +304,11 @@ def complete(base_url: str, model: str, prompt: str, max_tokens: int) -> str:
 
 
 def query(
-    base_url: str, model: str, docs: list[dict[str, str]], texts: list[str], max_tokens: int,
+    base_url: str,
+    model: str,
+    docs: list[dict[str, str]],
+    texts: list[str],
+    max_tokens: int,
     concurrency: int,
 ) -> Run:
     """A run from one endpoint: prompt `texts[i]` for `docs[i]`, `concurrency` in flight."""
@@ -306,13 +318,21 @@ def query(
     for doc_id, (doc, output) in enumerate(zip(docs, outputs)):
         for filter_name, right in score(output, doc["answer"]).items():
             correct.setdefault(filter_name, {})[doc_id] = right
-    return Run(base_url, correct, dict(enumerate(outputs)),
-               {i: doc["question"] for i, doc in enumerate(docs)})
+    return Run(
+        base_url,
+        correct,
+        dict(enumerate(outputs)),
+        {i: doc["question"] for i, doc in enumerate(docs)},
+    )
 
 
 def endpoint_runs(
-    urls: list[str], docs: list[dict[str, str]], texts: list[str], max_tokens: int,
-    concurrency: int, model: str | None = None,
+    urls: list[str],
+    docs: list[dict[str, str]],
+    texts: list[str],
+    max_tokens: int,
+    concurrency: int,
+    model: str | None = None,
 ) -> list[Run]:
     """Every endpoint must name its model (or be given one) before any is queried."""
     urls = [url.rstrip("/") for url in urls]

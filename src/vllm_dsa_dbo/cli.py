@@ -89,9 +89,14 @@ def status(args: argparse.Namespace) -> int:
             )
             return 0
         ok = is_supported_vllm(vllm_version)
-        print(f"vLLM: {vllm_version} ({'supported' if ok else 'NOT supported'}; this plugin supports {SUPPORTED_VLLM})")
+        print(
+            f"vLLM: {vllm_version} ({'supported' if ok else 'NOT supported'}; "
+            f"this plugin supports {SUPPORTED_VLLM})"
+        )
         if not ok:
-            problems.append(f"vLLM {vllm_version} is not {SUPPORTED_VLLM}: the plugin patches nothing")
+            problems.append(
+                f"vLLM {vllm_version} is not {SUPPORTED_VLLM}: the plugin patches nothing"
+            )
             print(f"guard: DBO with a shared-top-k DSA model is refused at {guard_seam()}")
 
     found = [e for e in entry_points(group=ENTRY_POINT_GROUP) if e.name == ENTRY_POINT_NAME]
@@ -273,27 +278,32 @@ def memory(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=1))
         return 0
-    print(f"model: {source} ({model.architecture}, {model.num_layers} layers, "
-          f"index_topk {k})")
+    print(f"model: {source} ({model.architecture}, {model.num_layers} layers, index_topk {k})")
     print(f"vLLM code path: {model.path.module} ({args.platform})")
     if model.leaders is not None:
         print(f"leaders ({len(model.leaders)}): {' '.join(map(str, model.leaders)) or 'none'}")
     reads = "top-k or candidate blocks" if model.path.rule == "deepseek_v41" else "top-k"
-    print(f"followers ({len(model.followers)}, reading another layer's {reads}): "
-          f"{' '.join(map(str, model.followers)) or 'none'}")
+    print(
+        f"followers ({len(model.followers)}, reading another layer's {reads}): "
+        f"{' '.join(map(str, model.followers)) or 'none'}"
+    )
     for note in model.notes:
         print(f"note: {note}")
     if per_ubatch == 0 or refused or extra_ubatches == 0:
         print(f"extra memory: {'none' if refused else '0 bytes'}; {verdict}")
         return 0
-    print(f"extra bytes per GPU per extra microbatch: {per_ubatch:,} ({per_ubatch / 2**20:.1f} MiB)")
+    print(
+        f"extra bytes per GPU per extra microbatch: {per_ubatch:,} ({per_ubatch / 2**20:.1f} MiB)"
+    )
     for name, columns in model.buffers or (("logical top-k buffer", k),):
         print(f"  {name:<22} {tokens} x {columns} x 4 = {tokens * columns * 4:,}")
     if model.path.copies == GROUPS:
         rows = max_decode_rows + 1
-        print(f"  index groups with followers: G = {followed}; max_decode_rows = "
-              f"min({tokens}, {args.max_num_seqs} x {1 + args.num_speculative_tokens}) = "
-              f"{max_decode_rows}")
+        print(
+            f"  index groups with followers: G = {followed}; max_decode_rows = "
+            f"min({tokens}, {args.max_num_seqs} x {1 + args.num_speculative_tokens}) = "
+            f"{max_decode_rows}"
+        )
         physical = followed * rows * k * 4
         print(f"  physical top-k rows    {followed} x {rows} x {k} x 4 = {physical:,}")
         print(f"  valid counts           {followed} x {rows} x 4 = {followed * rows * 4:,}")
@@ -358,8 +368,11 @@ def ab_runs(args: argparse.Namespace) -> list:
     if not args.endpoints:
         if len(args.runs) < 2:
             raise UsageError("give two or more lm_eval output folders, or --endpoints")
-        live_only = [f"--{name}" for name in ("questions", "fewshot", "model")
-                     if getattr(args, name) is not None]
+        live_only = [
+            f"--{name}"
+            for name in ("questions", "fewshot", "model")
+            if getattr(args, name) is not None
+        ]
         if live_only:
             raise UsageError(f"{', '.join(live_only)} apply only with --endpoints")
         for folder in args.runs:
@@ -426,7 +439,9 @@ def upstream_patch(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vllm-dsa-dbo",
-        description="DSA shared top-k per DBO microbatch for vLLM 0.33.0: check, size, demonstrate.",
+        description=(
+            "DSA shared top-k per DBO microbatch for vLLM 0.33.0: check, size, demonstrate."
+        ),
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -450,7 +465,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="microbatches per step: 2 with --enable-dbo (default), 1 without",
     )
     p.add_argument(
-        "--platform", choices=PLATFORMS, default="cuda",
+        "--platform",
+        choices=PLATFORMS,
+        default="cuda",
         help="the GPU platform vLLM runs on: its code path (and so the copies) differ",
     )
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
@@ -470,19 +487,40 @@ def build_parser() -> argparse.ArgumentParser:
         "send GSM8K-format questions to each endpoint as lm_eval's gsm8k task does "
         "(greedy /v1/completions, stop at 'Question:') and score them the same way",
     )
-    live.add_argument("--endpoints", nargs="+", metavar="URL",
-                      help="OpenAI-compatible base URLs, e.g. http://127.0.0.1:8000/v1")
-    live.add_argument("--questions", type=Path, metavar="JSONL",
-                      help='one {"question": ..., "answer": "... #### N"} per line')
-    live.add_argument("--fewshot", type=Path, metavar="JSONL",
-                      help="examples in the same format to put before each question")
-    live.add_argument("--num-fewshot", type=whole_number(0), default=0,
-                      help="examples per question, a fixed random draw for each (default 0)")
-    live.add_argument("--max-tokens", type=whole_number(1), default=256,
-                      help="completion tokens per question (default 256)")
+    live.add_argument(
+        "--endpoints",
+        nargs="+",
+        metavar="URL",
+        help="OpenAI-compatible base URLs, e.g. http://127.0.0.1:8000/v1",
+    )
+    live.add_argument(
+        "--questions",
+        type=Path,
+        metavar="JSONL",
+        help='one {"question": ..., "answer": "... #### N"} per line',
+    )
+    live.add_argument(
+        "--fewshot",
+        type=Path,
+        metavar="JSONL",
+        help="examples in the same format to put before each question",
+    )
+    live.add_argument(
+        "--num-fewshot",
+        type=whole_number(0),
+        default=0,
+        help="examples per question, a fixed random draw for each (default 0)",
+    )
+    live.add_argument(
+        "--max-tokens",
+        type=whole_number(1),
+        default=256,
+        help="completion tokens per question (default 256)",
+    )
     live.add_argument("--model", help="model name to ask for (default: the endpoint's /models)")
-    live.add_argument("--concurrency", type=whole_number(1), default=64,
-                      help="requests in flight per endpoint")
+    live.add_argument(
+        "--concurrency", type=whole_number(1), default=64, help="requests in flight per endpoint"
+    )
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.set_defaults(func=ab)
 

@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.compiler import is_dynamo_compiling
-
 from vllm.v1.worker import ubatching
 
 if TYPE_CHECKING:

@@ -63,8 +63,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{title}: {len(wrong)} of {len(reads)} top-k reads came from the wrong microbatch")
     checker = isolation.CHECKER
     if checker is not None:
-        print(f"{title}: isolation checker ({checker.mode}): {sum(checker.violations.values())} "
-              f"violations in {checker.checked_reads} checked reads")
+        print(
+            f"{title}: isolation checker ({checker.mode}): {sum(checker.violations.values())} "
+            f"violations in {checker.checked_reads} checked reads"
+        )
         for (writer, reader, kind), count in sorted(checker.violations.items()):
             print(f"  {kind}: {reader} read {writer}'s write from the other microbatch ({count}x)")
     return DEMO_CROSSED if wrong or (checker is not None and checker.violations) else 0

@@ -56,8 +56,13 @@ def register() -> None:
     if os.environ.get(GATES_ENV, "1") != "0":
         _allow_naive_all2all_under_dbo(config_module)
         _naive_prepare_finalize_yields()
-        GATES.extend(["dbo_all2all_allow_list+allgather_reducescatter",
-                      "naive_dp_ep.supports_dbo=True", "naive_dp_ep.yield_at_graph_capture"])
+        GATES.extend(
+            [
+                "dbo_all2all_allow_list+allgather_reducescatter",
+                "naive_dp_ep.supports_dbo=True",
+                "naive_dp_ep.yield_at_graph_capture",
+            ]
+        )
     _stream_capture_check_for_older_torch()
     _reinit_dummy_weights()
     _count_microbatched_steps()
@@ -120,7 +125,6 @@ def _naive_prepare_finalize_yields() -> None:
     the captured kernel order is the eager DBO order.
     """
     import torch
-
     from vllm.model_executor.layers.fused_moe.prepare_finalize import naive_dp_ep
     from vllm.v1.worker.ubatching import dbo_enabled, dbo_yield
 
@@ -181,11 +185,14 @@ def _measured(call):
     all_threads = _all_threads_config()
     torch.cuda.set_sync_debug_mode("warn")
     try:
-        with warnings.catch_warnings(record=True) as caught, profile(
-            activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
-            experimental_config=all_threads,
-            with_stack=True,
-        ) as prof:
+        with (
+            warnings.catch_warnings(record=True) as caught,
+            profile(
+                activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                experimental_config=all_threads,
+                with_stack=True,
+            ) as prof,
+        ):
             warnings.simplefilter("always")
             start = time.perf_counter()
             out = call()
@@ -207,8 +214,12 @@ def _measured(call):
         ),
         "profiled_wall_us": wall_us,
         "host_ops_by_self_time": [
-            {"name": e.key, "calls": e.count, "self_cpu_us": e.self_cpu_time_total,
-             "cpu_us": e.cpu_time_total}
+            {
+                "name": e.key,
+                "calls": e.count,
+                "self_cpu_us": e.self_cpu_time_total,
+                "cpu_us": e.cpu_time_total,
+            }
             for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:HOST_OPS]
         ],
     }

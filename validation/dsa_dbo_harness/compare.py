@@ -1,7 +1,8 @@
 """Compare greedy runs prompt by prompt (the upstream long-prompt columns).
 
     python -m dsa_dbo_harness.compare REF.json RUN.json [RUN.json ...]
-    python -m dsa_dbo_harness.compare --families DIR   # every PREFIX_off_a/_off_b/_on_stock/_on_fix set
+    python -m dsa_dbo_harness.compare --families DIR
+        (every PREFIX_off_a/_off_b/_on_stock/_on_fix set in DIR)
 
 Token-0 logprobs move in steps of one bf16 logit rounding (about 0.0078 or
 0.0156 here), so beside the upstream median this also counts prompts whose
@@ -62,7 +63,9 @@ def violations(run: dict) -> int | None:
 
 def family(runs: Path, prefix: str) -> dict:
     """A run set against its first DBO-off run: the floor, stock and the fix."""
-    loaded = {p.stem[len(prefix) + 1 :]: json.loads(p.read_text()) for p in runs.glob(f"{prefix}_*.json")}
+    loaded = {
+        p.stem[len(prefix) + 1 :]: json.loads(p.read_text()) for p in runs.glob(f"{prefix}_*.json")
+    }
     reference = loaded.get("off_a", loaded.get("off"))
     rows = {}
     for name in ("off_b", "on_stock", "on_fix"):
@@ -72,7 +75,9 @@ def family(runs: Path, prefix: str) -> dict:
                 **compare(reference, run),
                 "violations": violations(run),
                 "microbatched": microbatched(run),
-                "plugin_patched": sorted({w["plugin_patched"] for r in run["ranks"] for w in r["workers"]}),
+                "plugin_patched": sorted(
+                    {w["plugin_patched"] for r in run["ranks"] for w in r["workers"]}
+                ),
             }
     any_run = next(iter(loaded.values()))
     return {
@@ -85,7 +90,9 @@ def family(runs: Path, prefix: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("reference", type=Path)
     parser.add_argument("runs", type=Path, nargs="*")
     parser.add_argument("--families", action="store_true", help="REFERENCE is a folder of runs")

@@ -73,9 +73,17 @@ CONFIG = {
 
 # GLM/DeepSeek keys HYV4 does not read (it routes sigmoid over one group itself).
 _GLM_ONLY = (
-    "architectures", "model_type", "first_k_dense_replace", "moe_layer_freq",
-    "index_skip_topk_offset", "indexer_rope_interleave", "n_group", "topk_group",
-    "topk_method", "scoring_func", "rope_theta",
+    "architectures",
+    "model_type",
+    "first_k_dense_replace",
+    "moe_layer_freq",
+    "index_skip_topk_offset",
+    "indexer_rope_interleave",
+    "n_group",
+    "topk_group",
+    "topk_method",
+    "scoring_func",
+    "rope_theta",
 )
 HYV4_CONFIG = {
     **{k: v for k, v in CONFIG.items() if k not in _GLM_ONLY},

@@ -30,19 +30,59 @@ ROWS = [
     ("control: index_topk_freq=1", "DBO on, stock", "freq1_off", "freq1_on_stock"),
     ("control: index_topk_freq=1", "DBO on, with the fix", "freq1_off", "freq1_on_fix"),
     ("control: index_topk_freq=1", "DBO on, stock (repeat)", "freq1_off", "mem/freq1_on_stock"),
-    ("control: index_topk_freq=1", "DBO on, with the fix (repeat)", "freq1_off", "mem/freq1_on_fix"),
-    ("HYV4 (hy_v4/nvidia), V1 eager", "DBO off vs DBO off (second run, fix disabled)", "hy_off", "hy_off_b"),
+    (
+        "control: index_topk_freq=1",
+        "DBO on, with the fix (repeat)",
+        "freq1_off",
+        "mem/freq1_on_fix",
+    ),
+    (
+        "HYV4 (hy_v4/nvidia), V1 eager",
+        "DBO off vs DBO off (second run, fix disabled)",
+        "hy_off",
+        "hy_off_b",
+    ),
     ("HYV4 (hy_v4/nvidia), V1 eager", "DBO on, stock", "hy_off", "hy_on_stock"),
     ("HYV4 (hy_v4/nvidia), V1 eager", "DBO on, with the fix", "hy_off", "hy_on_fix"),
-    ("deepseek_v2 path, eager", "DBO off vs DBO off (second run, fix disabled)", "dsv2e_off", "dsv2e_off_b"),
+    (
+        "deepseek_v2 path, eager",
+        "DBO off vs DBO off (second run, fix disabled)",
+        "dsv2e_off",
+        "dsv2e_off_b",
+    ),
     ("deepseek_v2 path, eager", "DBO on, stock", "dsv2e_off", "dsv2e_on_stock"),
     ("deepseek_v2 path, eager", "DBO on, with the fix", "dsv2e_off", "dsv2e_on_fix"),
-    ("deepseek_v2 path, compiled, no CUDA graphs", "DBO off vs DBO off (second run, fix disabled)", "dsv2_off", "dsv2_off_b"),
+    (
+        "deepseek_v2 path, compiled, no CUDA graphs",
+        "DBO off vs DBO off (second run, fix disabled)",
+        "dsv2_off",
+        "dsv2_off_b",
+    ),
     ("deepseek_v2 path, compiled, no CUDA graphs", "DBO on, stock", "dsv2_off", "dsv2_on_stock"),
-    ("deepseek_v2 path, compiled, no CUDA graphs", "DBO on, with the fix", "dsv2_off", "dsv2_on_fix"),
-    ("deepseek_v2 path, compiled, FULL_DECODE_ONLY graphs", "DBO on, stock", "dsv2_graph_off", "dsv2_graph_on_stock"),
-    ("deepseek_v2 path, compiled, FULL_DECODE_ONLY graphs", "DBO on, with the fix", "dsv2_graph_off", "dsv2_graph_on_fix"),
-    ("V1 eager, 120 tokens", "DBO off vs DBO off (second run, fix disabled)", "chk_off", "chk_off_b"),
+    (
+        "deepseek_v2 path, compiled, no CUDA graphs",
+        "DBO on, with the fix",
+        "dsv2_off",
+        "dsv2_on_fix",
+    ),
+    (
+        "deepseek_v2 path, compiled, FULL_DECODE_ONLY graphs",
+        "DBO on, stock",
+        "dsv2_graph_off",
+        "dsv2_graph_on_stock",
+    ),
+    (
+        "deepseek_v2 path, compiled, FULL_DECODE_ONLY graphs",
+        "DBO on, with the fix",
+        "dsv2_graph_off",
+        "dsv2_graph_on_fix",
+    ),
+    (
+        "V1 eager, 120 tokens",
+        "DBO off vs DBO off (second run, fix disabled)",
+        "chk_off",
+        "chk_off_b",
+    ),
     ("V1 eager, 120 tokens", "DBO on, stock, checker on", "chk_off", "chk_on_stock"),
     ("V1 eager, 120 tokens", "DBO on, with the fix, checker on", "chk_off", "chk_on_fix"),
     ("V1 eager, 120 tokens", "DBO on, stock, timed", "chk_off", "perf_on_stock"),
@@ -92,15 +132,17 @@ def build_checks(runs: Path) -> list[dict]:
             continue
         run = load(runs, name)
         checks = [w["isolation_check"] for w in workers(run)]
-        table.append({
-            "label": label,
-            "run": name,
-            "fix_active": all(w["plugin_patched"] for w in workers(run)),
-            "microbatched_forwards_per_worker": microbatched(run),
-            "checked_reads_per_worker": [c["checked_reads"] for c in checks],
-            "violations_per_worker": [c["violations"] for c in checks],
-            "violating_pairs": sorted({p for c in checks for p in c["violating_pairs"]}),
-        })
+        table.append(
+            {
+                "label": label,
+                "run": name,
+                "fix_active": all(w["plugin_patched"] for w in workers(run)),
+                "microbatched_forwards_per_worker": microbatched(run),
+                "checked_reads_per_worker": [c["checked_reads"] for c in checks],
+                "violations_per_worker": [c["violations"] for c in checks],
+                "violating_pairs": sorted({p for c in checks for p in c["violating_pairs"]}),
+            }
+        )
     return table
 
 
@@ -138,7 +180,9 @@ def markdown(table: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("runs", type=Path)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)

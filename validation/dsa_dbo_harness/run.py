@@ -48,9 +48,14 @@ ALL2ALL = {
 }
 # Environment recorded with each run (what changes kernels or placement).
 RECORDED_ENV = (
-    "VLLM_DBO_COMM_SMS", "VLLM_USE_DEEP_GEMM", "VLLM_MOE_USE_DEEP_GEMM",
-    "VLLM_DSA_DBO_CHECK", "VLLM_DSA_DBO_HARNESS_GATES", "NCCL_MULTI_RANK_GPU_ENABLE",
-    "VLLM_USE_V2_MODEL_RUNNER", "NVSHMEM_QP_DEPTH",
+    "VLLM_DBO_COMM_SMS",
+    "VLLM_USE_DEEP_GEMM",
+    "VLLM_MOE_USE_DEEP_GEMM",
+    "VLLM_DSA_DBO_CHECK",
+    "VLLM_DSA_DBO_HARNESS_GATES",
+    "NCCL_MULTI_RANK_GPU_ENABLE",
+    "VLLM_USE_V2_MODEL_RUNNER",
+    "NVSHMEM_QP_DEPTH",
 )
 
 
@@ -117,7 +122,10 @@ def rank_main(rank: int, args, port: int, results: mp.Queue) -> None:
     llm.collective_rpc(start_measuring)
     prompts = [{"prompt_token_ids": p} for p in prompts_for_rank(rank, args.prompts)]
     params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=0, logprobs=1, detokenize=False,
+        max_tokens=args.max_tokens,
+        temperature=0,
+        logprobs=1,
+        detokenize=False,
         ignore_eos=True,
     )
     start = time.time()
@@ -126,8 +134,7 @@ def rank_main(rank: int, args, port: int, results: mp.Queue) -> None:
     after = llm.collective_rpc(snapshot)
     for worker_before, worker_after in zip(before, after):
         worker_after["counts_during_generate"] = {
-            k: v - worker_before["counts"].get(k, 0)
-            for k, v in worker_after["counts"].items()
+            k: v - worker_before["counts"].get(k, 0) for k, v in worker_after["counts"].items()
         }
     samples = []
     for output in outputs:
@@ -136,13 +143,12 @@ def rank_main(rank: int, args, port: int, results: mp.Queue) -> None:
             {
                 "prompt_len": len(output.prompt_token_ids),
                 "tokens": list(completion.token_ids),
-                "logprobs": [lp[t].logprob for lp, t in zip(completion.logprobs, completion.token_ids)],
+                "logprobs": [
+                    lp[t].logprob for lp, t in zip(completion.logprobs, completion.token_ids)
+                ],
             }
         )
-    results.put(
-        {"rank": rank, "workers": after,
-         "generate_seconds": elapsed, "samples": samples}
-    )
+    results.put({"rank": rank, "workers": after, "generate_seconds": elapsed, "samples": samples})
 
 
 def free_port() -> int:
@@ -152,7 +158,9 @@ def free_port() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--mode", choices=sorted(MODES), default="eager")
@@ -165,11 +173,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--all2all", choices=sorted(ALL2ALL), default="naive")
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--prefix-caching", action="store_true")
+    parser.add_argument("--attention-backend", default="FLASHMLA_SPARSE", help="'auto': vLLM picks")
     parser.add_argument(
-        "--attention-backend", default="FLASHMLA_SPARSE", help="'auto': vLLM picks"
-    )
-    parser.add_argument(
-        "--gpu-count", type=int, choices=(1, 2), default=None,
+        "--gpu-count",
+        type=int,
+        choices=(1, 2),
+        default=None,
         help="GPUs the two ranks use (default: 2 if two are visible, else 1)",
     )
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.35)
@@ -224,7 +233,11 @@ def main(argv: list[str] | None = None) -> int:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record))
-    summary = [(w["plugin_patched"], w["counts_during_generate"], w["ubatch_topk_bytes"]) for g in record["ranks"] for w in g["workers"]]
+    summary = [
+        (w["plugin_patched"], w["counts_during_generate"], w["ubatch_topk_bytes"])
+        for g in record["ranks"]
+        for w in g["workers"]
+    ]
     print("WROTE", args.out, summary)
     return 0
 

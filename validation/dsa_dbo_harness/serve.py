@@ -63,7 +63,9 @@ def write_tokenizer(directory: Path, texts: Iterable[str]) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("model_dir", type=Path)
     parser.add_argument("task_dir", type=Path, help="folder of GSM8K-format *.jsonl")
     parser.add_argument("--index-topk-freq", type=int, default=4)

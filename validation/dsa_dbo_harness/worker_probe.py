@@ -6,9 +6,9 @@ import sys
 
 
 def snapshot(worker) -> dict:
-    import dsa_dbo_harness
     from vllm.v1.attention.backends.mla import index_group
 
+    import dsa_dbo_harness
     from vllm_dsa_dbo.diagnostics import isolation
     from vllm_dsa_dbo.diagnostics.accounting import ubatch_topk_bytes
     from vllm_dsa_dbo.diagnostics.groups import followed_groups, index_groups
@@ -27,7 +27,9 @@ def snapshot(worker) -> dict:
         "counts": dict(dsa_dbo_harness.COUNTS),
         "measured": dsa_dbo_harness.MEASURED,
         "switch_interval_s": sys.getswitchinterval(),
-        "isolation_check": None if checker is None else {
+        "isolation_check": None
+        if checker is None
+        else {
             "mode": checker.mode,
             "checked_reads": checker.checked_reads,
             "violations": sum(checker.violations.values()),

@@ -31,8 +31,12 @@ def packs(r: random.Random) -> tuple[str, list[str], int]:
     return (
         f"{name} buys {n} packs of {item}. Each pack has {k} {item}. "
         f"{name} gives {g} {item} to a friend. How many {item} does {name} have left?",
-        [step(f"{name} buys {{}} {item}.", f"{n} * {k}", total),
-         step(f"After giving some away, {name} has {{}} {item} left.", f"{total} - {g}", total - g)],
+        [
+            step(f"{name} buys {{}} {item}.", f"{n} * {k}", total),
+            step(
+                f"After giving some away, {name} has {{}} {item} left.", f"{total} - {g}", total - g
+            ),
+        ],
         total - g,
     )
 
@@ -43,8 +47,10 @@ def babysitting(r: random.Random) -> tuple[str, list[str], int]:
     return (
         f"{name} earns ${rate} an hour babysitting. Last week {name} worked {h1} hours on "
         f"Monday and {h2} hours on Saturday. How much money did {name} earn last week?",
-        [step(f"{name} worked {{}} hours.", f"{h1} + {h2}", h1 + h2),
-         step(f"{name} earned {{}} dollars.", f"{h1 + h2} * {rate}", (h1 + h2) * rate)],
+        [
+            step(f"{name} worked {{}} hours.", f"{h1} + {h2}", h1 + h2),
+            step(f"{name} earned {{}} dollars.", f"{h1 + h2} * {rate}", (h1 + h2) * rate),
+        ],
         (h1 + h2) * rate,
     )
 
@@ -55,9 +61,11 @@ def book(r: random.Random) -> tuple[str, list[str], int]:
     return (
         f"{name} is reading a {total}-page book. Yesterday {name} read {a} pages. Today "
         f"{name} read twice as many pages as yesterday. How many pages are left to read?",
-        [step("Today {} pages were read.", f"{a} * 2", 2 * a),
-         step("So far {} pages were read.", f"{a} + {2 * a}", 3 * a),
-         step("There are {} pages left.", f"{total} - {3 * a}", total - 3 * a)],
+        [
+            step("Today {} pages were read.", f"{a} * 2", 2 * a),
+            step("So far {} pages were read.", f"{a} + {2 * a}", 3 * a),
+            step("There are {} pages left.", f"{total} - {3 * a}", total - 3 * a),
+        ],
         total - 3 * a,
     )
 
@@ -70,9 +78,11 @@ def apples(r: random.Random) -> tuple[str, list[str], int]:
     return (
         f"A farmer has {b} baskets with {k} apples in each basket. He sells {s} apples at the "
         f"market and uses {u} apples to bake pies. How many apples does he have left?",
-        [step("The farmer has {} apples.", f"{b} * {k}", total),
-         step("He sells or uses {} apples.", f"{s} + {u}", s + u),
-         step("He has {} apples left.", f"{total} - {s + u}", total - s - u)],
+        [
+            step("The farmer has {} apples.", f"{b} * {k}", total),
+            step("He sells or uses {} apples.", f"{s} + {u}", s + u),
+            step("He has {} apples left.", f"{total} - {s + u}", total - s - u),
+        ],
         total - s - u,
     )
 
@@ -83,9 +93,11 @@ def notebooks(r: random.Random) -> tuple[str, list[str], int]:
     return (
         f"{name} has ${m}. {name} buys {n} notebooks that cost ${c} each and a pen that costs "
         f"${p}. How much money does {name} have left?",
-        [step("The notebooks cost {} dollars.", f"{n} * {c}", n * c),
-         step("Everything costs {} dollars.", f"{n * c} + {p}", n * c + p),
-         step(f"{name} has {{}} dollars left.", f"{m} - {n * c + p}", m - n * c - p)],
+        [
+            step("The notebooks cost {} dollars.", f"{n} * {c}", n * c),
+            step("Everything costs {} dollars.", f"{n * c} + {p}", n * c + p),
+            step(f"{name} has {{}} dollars left.", f"{m} - {n * c + p}", m - n * c - p),
+        ],
         m - n * c - p,
     )
 
@@ -95,9 +107,11 @@ def train_trip(r: random.Random) -> tuple[str, list[str], int]:
     return (
         f"A train travels at {v} miles per hour for {h} hours, then at {w} miles per hour for "
         f"{g} hours. How many miles does it travel in total?",
-        [step("First it travels {} miles.", f"{v} * {h}", v * h),
-         step("Then it travels {} miles.", f"{w} * {g}", w * g),
-         step("In total it travels {} miles.", f"{v * h} + {w * g}", v * h + w * g)],
+        [
+            step("First it travels {} miles.", f"{v} * {h}", v * h),
+            step("Then it travels {} miles.", f"{w} * {g}", w * g),
+            step("In total it travels {} miles.", f"{v * h} + {w * g}", v * h + w * g),
+        ],
         v * h + w * g,
     )
 
@@ -109,8 +123,10 @@ def teams(r: random.Random) -> tuple[str, list[str], int]:
     return (
         f"A school has {c} classes with {s} students in each class. For field day the students "
         f"are split into teams of {t}. How many teams are there?",
-        [step("There are {} students.", f"{c} * {s}", c * s),
-         step("There are {} teams.", f"{c * s} / {t}", c * s // t)],
+        [
+            step("There are {} students.", f"{c} * {s}", c * s),
+            step("There are {} teams.", f"{c * s} / {t}", c * s // t),
+        ],
         c * s // t,
     )
 
@@ -122,21 +138,31 @@ def savings(r: random.Random) -> tuple[str, list[str], int]:
     return (
         f"{name} wants to buy a bike that costs ${cost}. {name} has saved ${have} and saves "
         f"${per} every week. How many weeks will it take {name} to have enough money?",
-        [step(f"{name} still needs {{}} dollars.", f"{cost} - {have}", cost - have),
-         step("It will take {} weeks.", f"{cost - have} / {per}", weeks)],
+        [
+            step(f"{name} still needs {{}} dollars.", f"{cost} - {have}", cost - have),
+            step("It will take {} weeks.", f"{cost - have} / {per}", weeks),
+        ],
         weeks,
     )
 
 
 def cookies(r: random.Random) -> tuple[str, list[str], int]:
-    name, d, e, n, f = r.choice(NAMES), r.randint(3, 6), r.randint(2, 6), r.randint(2, 5), r.randint(2, 5)
+    name, d, e, n, f = (
+        r.choice(NAMES),
+        r.randint(3, 6),
+        r.randint(2, 6),
+        r.randint(2, 5),
+        r.randint(2, 5),
+    )
     total = 12 * d
     return (
         f"{name} baked {d} dozen cookies. {name} ate {e} of them and gave {f} cookies to each "
         f"of {n} neighbors. How many cookies are left?",
-        [step(f"{name} baked {{}} cookies.", f"{d} * 12", total),
-         step("The neighbors got {} cookies.", f"{f} * {n}", f * n),
-         step("There are {} cookies left.", f"{total} - {e} - {f * n}", total - e - f * n)],
+        [
+            step(f"{name} baked {{}} cookies.", f"{d} * 12", total),
+            step("The neighbors got {} cookies.", f"{f} * {n}", f * n),
+            step("There are {} cookies left.", f"{total} - {e} - {f * n}", total - e - f * n),
+        ],
         total - e - f * n,
     )
 
@@ -146,8 +172,10 @@ def ages(r: random.Random) -> tuple[str, list[str], int]:
     x, y, z = r.randint(2, 9), r.randint(5, 30), r.randint(2, 10)
     return (
         f"{a} is {x} years older than {b}. {b} is {y} years old. How old will {a} be in {z} years?",
-        [step(f"{a} is {{}} years old now.", f"{y} + {x}", x + y),
-         step(f"In {z} years {a} will be {{}} years old.", f"{x + y} + {z}", x + y + z)],
+        [
+            step(f"{a} is {{}} years old now.", f"{y} + {x}", x + y),
+            step(f"In {z} years {a} will be {{}} years old.", f"{x + y} + {z}", x + y + z),
+        ],
         x + y + z,
     )
 
@@ -158,8 +186,10 @@ def discount(r: random.Random) -> tuple[str, list[str], int]:
     off = p * d // 100
     return (
         f"A jacket costs ${p}. It is on sale for {d}% off. How much does the jacket cost on sale?",
-        [step("The discount is {} dollars.", f"{p} * {d} / 100", off),
-         step("The jacket costs {} dollars on sale.", f"{p} - {off}", p - off)],
+        [
+            step("The discount is {} dollars.", f"{p} * {d} / 100", off),
+            step("The jacket costs {} dollars on sale.", f"{p} - {off}", p - off),
+        ],
         p - off,
     )
 
@@ -169,14 +199,28 @@ def garden(r: random.Random) -> tuple[str, list[str], int]:
     return (
         f"{name} plants {rows} rows of tomato plants with {k} plants in each row. Each plant "
         f"grows {t} tomatoes. How many tomatoes does {name} grow?",
-        [step(f"{name} has {{}} plants.", f"{rows} * {k}", rows * k),
-         step(f"{name} grows {{}} tomatoes.", f"{rows * k} * {t}", rows * k * t)],
+        [
+            step(f"{name} has {{}} plants.", f"{rows} * {k}", rows * k),
+            step(f"{name} grows {{}} tomatoes.", f"{rows * k} * {t}", rows * k * t),
+        ],
         rows * k * t,
     )
 
 
-TEMPLATES = [packs, babysitting, book, apples, notebooks, train_trip, teams, savings,
-             cookies, ages, discount, garden]
+TEMPLATES = [
+    packs,
+    babysitting,
+    book,
+    apples,
+    notebooks,
+    train_trip,
+    teams,
+    savings,
+    cookies,
+    ages,
+    discount,
+    garden,
+]
 
 
 def problems(count: int, r: random.Random) -> list[dict[str, str]]:

@@ -118,8 +118,10 @@ def _describe(value: Any) -> str:
 
 def _whole(config: Mapping[str, Any], key: str, default: Any, minimum: int | None) -> Any:
     value = config.get(key, default)
-    if not isinstance(value, int) or isinstance(value, bool) or (
-        minimum is not None and value < minimum
+    if (
+        not isinstance(value, int)
+        or isinstance(value, bool)
+        or (minimum is not None and value < minimum)
     ):
         kind = "a whole number" if minimum is None else f"a whole number >= {minimum}"
         raise ConfigError(f"{key} must be {kind}, got {_describe(value)}")
@@ -143,11 +145,13 @@ def check_config(config: Mapping[str, Any], platform: str = "cuda") -> tuple[Cod
     if not isinstance(text, dict):
         raise ConfigError(f"text_config must be a JSON object, got {_describe(text)}")
     architectures = config.get("architectures", text.get("architectures"))
-    if not architectures or not isinstance(architectures, list) or not all(
-        isinstance(a, str) for a in architectures
+    if (
+        not architectures
+        or not isinstance(architectures, list)
+        or not all(isinstance(a, str) for a in architectures)
     ):
         raise ConfigError(
-            "architectures must name the model class, e.g. [\"GlmMoeDsaForCausalLM\"] "
+            'architectures must name the model class, e.g. ["GlmMoeDsaForCausalLM"] '
             f"(vLLM picks its code from it), got {_describe(architectures)}"
         )
     architecture = architectures[0]
@@ -178,7 +182,7 @@ def _check_dsa(text: Mapping[str, Any]) -> None:
     ):
         raise ConfigError(
             "index_topk_pattern must be F (runs the indexer) or S (reuses the top-k) per "
-            f"layer, e.g. \"FFFSSSF\", got {_describe(pattern)}"
+            f'layer, e.g. "FFFSSSF", got {_describe(pattern)}'
         )
     if pattern is None:
         _whole(text, "index_topk_freq", 1, 1)
@@ -271,8 +275,11 @@ def _hy_v4_roles(text: dict) -> tuple[list[int], list[int], list[str]]:
         raise ConfigError(f"vLLM's HYV4Config refuses it: {e}") from None
     skip = compute_skip_topk_layers(config)
     kinds = config.layer_types or []
-    sparse = [i for i in range(config.num_hidden_layers) if i < len(kinds)
-              and kinds[i] in _SPARSE_LAYER_TYPES]
+    sparse = [
+        i
+        for i in range(config.num_hidden_layers)
+        if i < len(kinds) and kinds[i] in _SPARSE_LAYER_TYPES
+    ]
     notes = []
     if "indexer_types" not in text and {"index_topk_freq", "index_topk_pattern"} & text.keys():
         notes.append(
@@ -294,14 +301,16 @@ def _deepseek_v41_layers(text: dict) -> list[SimpleNamespace]:
     layers = []
     for i in range(text["num_hidden_layers"]):
         compressed = i < len(ratios) and ratios[i] > 0
-        layers.append(SimpleNamespace(
-            layer_id=i,
-            index_source_layer_id=max(s for s in sources if s <= i) if compressed else None,
-            candidate_source_layer=candidate_source,
-            indexer=True if i in sources else None,
-            topk_indices_buffer=None,
-            candidate_block_buffer=True if candidates else None,
-        ))
+        layers.append(
+            SimpleNamespace(
+                layer_id=i,
+                index_source_layer_id=max(s for s in sources if s <= i) if compressed else None,
+                candidate_source_layer=candidate_source,
+                indexer=True if i in sources else None,
+                topk_indices_buffer=None,
+                candidate_block_buffer=True if candidates else None,
+            )
+        )
     return layers
 
 
@@ -337,8 +346,10 @@ def _minimax_m3_layers(text: dict) -> list[SimpleNamespace]:
     from vllm.models.minimax_m3.amd.model import _should_skip_index_topk
 
     config = SimpleNamespace(**text)
-    return [SimpleNamespace(skip_index_topk=_should_skip_index_topk(config, i))
-            for i in range(text["num_hidden_layers"])]
+    return [
+        SimpleNamespace(skip_index_topk=_should_skip_index_topk(config, i))
+        for i in range(text["num_hidden_layers"])
+    ]
 
 
 def layout(path: CodePath, text: dict) -> Layout:

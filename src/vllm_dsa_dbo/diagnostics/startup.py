@@ -19,10 +19,13 @@ def describe(model: Any) -> str | None:
     followed = followed_groups(copied)
     allocated = ubatch_topk_bytes(copied)
     copied_ids = {id(g) for g in copied}
-    backends = sorted({
-        sparse_mla_backend(m) for m in model.modules()
-        if id(getattr(getattr(m, "impl", None), "index_group", None)) in copied_ids
-    })
+    backends = sorted(
+        {
+            sparse_mla_backend(m)
+            for m in model.modules()
+            if id(getattr(getattr(m, "impl", None), "index_group", None)) in copied_ids
+        }
+    )
     return (
         f"vllm-dsa-dbo: {type(model).__name__} keeps shared top-k per DBO microbatch: "
         f"{len(copied[0].ubatch_logical_topk.buffers) + 1} microbatches, {len(followed)} index "

@@ -26,8 +26,7 @@ PATCH = Patch(
         "its impl's index group as wired; only wired groups resolve per microbatch."
     ),
     upstream=(
-        "vllm PR #60734: the leader's writers take the buffer from "
-        "self.impl.topk_indices_buffer."
+        "vllm PR #60734: the leader's writers take the buffer from self.impl.topk_indices_buffer."
     ),
     remove_when="the vLLM release that merges PR #60734 (not in 0.33.0)",
 )

@@ -76,9 +76,7 @@ def hand_offs(attns: Iterable[Any]) -> tuple[list[int], list[int]]:
 
 def handed_off_buffers(model: torch.nn.Module) -> list[torch.Tensor]:
     """The model-wide buffers some layer of `model` reads from another layer."""
-    reusing, readers = hand_offs(
-        m for m in model.modules() if hasattr(m, "candidate_source_layer")
-    )
+    reusing, readers = hand_offs(m for m in model.modules() if hasattr(m, "candidate_source_layer"))
     buffers = []
     if reusing:
         buffers.append(model.topk_indices_buffer)
@@ -137,4 +135,3 @@ def describe(model: torch.nn.Module) -> str | None:
         f"microbatch: {len(ubatch_copies(buffers[0])) + 1} microbatches, {len(buffers)} "
         f"handed-off buffers, {allocated:,} bytes ({allocated / 2**20:.1f} MiB) allocated"
     )
-

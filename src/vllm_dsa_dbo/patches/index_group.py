@@ -37,7 +37,8 @@ PATCH = Patch(
         "microbatch per builder; the group's four state fields resolve to the "
         "calling microbatch's copy, as _topk_state() does (microbatch 0's in code "
         "torch.compile traces), so vLLM's "
-        "_convert_once and set_logical_topk_ready run unchanged. HiSparse followers under DBO are refused at construction."
+        "_convert_once and set_logical_topk_ready run unchanged. HiSparse "
+        "followers under DBO are refused at construction."
     ),
     upstream=(
         "vllm PR #60734: SparseMLAIndexGroupBuilder(num_ubatches=...), "
@@ -125,9 +126,7 @@ def apply(target: ModuleType) -> None:
     def register_layer(
         self: Any, is_index_producing_layer: bool, vllm_config: Any = None, **kwargs: Any
     ) -> tuple[Any, int]:
-        joins_as_follower = (
-            not is_index_producing_layer and self.current_group is not None
-        )
+        joins_as_follower = not is_index_producing_layer and self.current_group is not None
         if (
             joins_as_follower
             and self.num_ubatches > 1

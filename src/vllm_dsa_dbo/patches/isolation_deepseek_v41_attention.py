@@ -43,9 +43,7 @@ def checked_v41_layer(
     from vllm_dsa_dbo.patches.deepseek_v41_model import reads_candidates, reuses_topk
 
     @functools.wraps(stock)
-    def _sparse_indexer_and_attn(
-        self: Any, hidden_states: Any, index_q: Any, *args: Any
-    ) -> None:
+    def _sparse_indexer_and_attn(self: Any, hidden_states: Any, index_q: Any, *args: Any) -> None:
         layer = f"V4.1 layer {self.layer_id}"
         if reuses_topk(self):
             checker.read(layer, "V4.1 top-k", self.topk_indices_buffer)

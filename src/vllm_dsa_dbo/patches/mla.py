@@ -28,9 +28,7 @@ PATCH = Patch(
         "as the group's impls do), and the group's extra microbatches share its "
         "logical-ready event, the one the traced graph records."
     ),
-    upstream=(
-        "none yet: PR #60734 covers the eager deepseek_v32 path only"
-    ),
+    upstream=("none yet: PR #60734 covers the eager deepseek_v32 path only"),
     remove_when="a vLLM release that keeps the compiled DSA path's top-k per microbatch",
 )
 

@@ -43,7 +43,11 @@ def keep_logical_topk_per_ubatch(model: Any) -> None:
     layers = [m for m in model.modules() if isinstance(m, DeepseekV32MLAAttention)]
     share_ubatch_logical_topk(
         [layer.impl.index_group for layer in layers],
-        [(layer.indexer_op, layer.impl.index_group) for layer in layers if layer.indexer_op is not None],
+        [
+            (layer.indexer_op, layer.impl.index_group)
+            for layer in layers
+            if layer.indexer_op is not None
+        ],
     )
 
 

@@ -9,7 +9,6 @@ from types import CellType, ModuleType
 from typing import TYPE_CHECKING, Any
 
 import torch
-
 from vllm.utils.torch_utils import _resolve_layer_name
 
 from vllm_dsa_dbo.core import _UBATCH_ID_OF_THREAD, resolve_logical_topk

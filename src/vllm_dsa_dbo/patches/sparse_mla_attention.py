@@ -5,8 +5,8 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from vllm_dsa_dbo.patches import Patch
 from vllm_dsa_dbo.core import _UBATCH_ID_OF_THREAD, resolve_logical_topk
+from vllm_dsa_dbo.patches import Patch
 
 PATCH = Patch(
     target="vllm.model_executor.layers.attention.sparse_mla_attention",

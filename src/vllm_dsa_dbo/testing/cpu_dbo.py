@@ -15,7 +15,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
-
 from vllm.utils import torch_utils
 from vllm.v1.worker.ubatching import (
     dbo_current_ubatch_id,
@@ -104,9 +103,7 @@ def cpu_vllm() -> Iterator[object]:
         yield config
 
 
-def run_dbo_step(
-    step: Callable[[int], None], num_ubatches: int = 2, stream: object = None
-) -> None:
+def run_dbo_step(step: Callable[[int], None], num_ubatches: int = 2, stream: object = None) -> None:
     """Run `step(ubatch_id)` in vLLM's microbatch threads, as UBatchWrapper does.
 
     Each thread enters a real `UBatchContext`; `dbo_yield()` inside `step`
@@ -141,9 +138,7 @@ def run_dbo_step(
         except BaseException as e:  # re-raised in the calling thread
             errors.append(e)
 
-    threads = [
-        threading.Thread(target=thread_main, args=(c,), daemon=True) for c in contexts
-    ]
+    threads = [threading.Thread(target=thread_main, args=(c,), daemon=True) for c in contexts]
     # Each context sets vLLM's one global forward context; the step's caller
     # gets its own back, as vLLM's outer set_forward_context gives it.
     outer = forward_context._forward_context

@@ -13,7 +13,6 @@ from types import SimpleNamespace
 
 import torch
 import torch.nn as nn
-
 from vllm.model_executor.layers.attention.sparse_mla_attention import (
     SparseMLACommonImpl,
 )
@@ -160,9 +159,7 @@ class SharedTopkStack:
     argument); with the fix applied it is the builder's microbatch count.
     """
 
-    def __init__(
-        self, leaders: list[bool], num_ubatches: int | None, device: str = "cpu"
-    ) -> None:
+    def __init__(self, leaders: list[bool], num_ubatches: int | None, device: str = "cpu") -> None:
         self.leaders = leaders
         self.device = device
         self.buffer = torch.full(

@@ -34,8 +34,12 @@ CORE = "vllm_dsa_dbo.core"
 TAKEN = {
     # vLLM file: the core symbols it gets (with the core symbols they use)
     INDEX_GROUP: (
-        "UBATCH_TOPK_FIELDS", "UbatchTopkField", "topk_state", "resolve_logical_topk",
-        "init_builder_state", "add_layer_state",
+        "UBATCH_TOPK_FIELDS",
+        "UbatchTopkField",
+        "topk_state",
+        "resolve_logical_topk",
+        "init_builder_state",
+        "add_layer_state",
     ),
 }
 HISPARSE_REFUSAL = ("vllm_dsa_dbo.patches.index_group", "apply.register_layer")
@@ -89,7 +93,8 @@ class Source:
         scope: ast.AST = self.tree
         for depth, name in enumerate(dotted.split(".")):
             found = [
-                n for n in getattr(scope, "body", [])
+                n
+                for n in getattr(scope, "body", [])
                 if isinstance(n, (ast.ClassDef, ast.FunctionDef)) and n.name == name
             ]
             if len(found) != 1:
@@ -187,8 +192,15 @@ def import_key(node: ast.stmt) -> tuple[int, bool, str]:
     """Where ruff's isort puts an import: its section, plain imports first, then by module."""
     module = node.names[0].name if isinstance(node, ast.Import) else node.module or ""
     top = module.split(".")[0]
-    section = (0 if top == "__future__" else 1 if top in sys.stdlib_module_names
-               else 3 if top == "vllm" else 2)
+    section = (
+        0
+        if top == "__future__"
+        else 1
+        if top in sys.stdlib_module_names
+        else 3
+        if top == "vllm"
+        else 2
+    )
     return section, isinstance(node, ast.ImportFrom), module
 
 
@@ -202,9 +214,12 @@ def add_imports(target: Source, lines: list[str]) -> None:
     for line in sorted(lines):
         new = ast.parse(line).body[0]
         same = [
-            n for n in imports
-            if isinstance(new, ast.ImportFrom) and isinstance(n, ast.ImportFrom)
-            and n.module == new.module and n.level == new.level == 0
+            n
+            for n in imports
+            if isinstance(new, ast.ImportFrom)
+            and isinstance(n, ast.ImportFrom)
+            and n.module == new.module
+            and n.level == new.level == 0
             and all(a.asname is None for a in n.names + new.names)
         ]
         if same:
@@ -265,8 +280,11 @@ def nested_function(source: Source, dotted: str) -> ast.FunctionDef:
     scope: ast.AST = source.tree
     for name in dotted.split("."):
         scope = next(
-            (n for n in ast.walk(scope) if isinstance(n, ast.FunctionDef) and n.name == name
-             and n is not scope),
+            (
+                n
+                for n in ast.walk(scope)
+                if isinstance(n, ast.FunctionDef) and n.name == name and n is not scope
+            ),
             None,
         )
         if scope is None:
@@ -319,9 +337,15 @@ def add_keyword_parameter(source: Source, fn: ast.FunctionDef, place: str, param
     open_paren = source.text.index("(", source.offset(fn.lineno, fn.col_offset))
     if first < fn.lineno:
         raise source.refuse(place, "parameters precede the def line")
-    last = (args.kw_defaults[-1] if args.kw_defaults and args.kw_defaults[-1] is not None
-            else args.kwonlyargs[-1] if args.kwonlyargs
-            else args.defaults[-1] if args.defaults else args.args[-1])
+    last = (
+        args.kw_defaults[-1]
+        if args.kw_defaults and args.kw_defaults[-1] is not None
+        else args.kwonlyargs[-1]
+        if args.kwonlyargs
+        else args.defaults[-1]
+        if args.defaults
+        else args.args[-1]
+    )
     close_paren = source.text.index(")", source.end(last))
     body = "".join(f"{indent}{t},\n" for t in texts)
     source.replace(open_paren + 1, close_paren, f"\n{body}{indent[:-4]}")
@@ -374,8 +398,11 @@ def patch_index_group(source: Source) -> None:
 
     last = register.body[-1]
     returned = last.value.elts if isinstance(getattr(last, "value", None), ast.Tuple) else []
-    if not (isinstance(last, ast.Return) and len(returned) == 2
-            and all(isinstance(e, ast.Name) for e in returned)):
+    if not (
+        isinstance(last, ast.Return)
+        and len(returned) == 2
+        and all(isinstance(e, ast.Name) for e in returned)
+    ):
         raise source.refuse(
             "SparseMLAIndexGroupBuilder.register_layer", "does not end in `return group, index`"
         )
@@ -398,12 +425,12 @@ GROUP_ATTRIBUTES = '''
         return topk_state(self)
 '''
 
-GROUP_FIELDS = '''
+GROUP_FIELDS = """
 
 # The per-microbatch fields resolve to the calling microbatch's copy.
 for _name in UBATCH_TOPK_FIELDS:
     setattr(SparseMLAIndexGroup, _name, UbatchTopkField(_name))
-'''
+"""
 
 BUILDER_INIT = "init_builder_state(self, num_ubatches)\n"
 BUILDER_REGISTER = "add_layer_state(self, {group}, {index})\n"
@@ -430,7 +457,10 @@ def patch_sparse_mla(source: Source) -> None:
     place = "SharedTopkIndicesBuffer.topk_indices_buffer"
     mixin = source.find("SharedTopkIndicesBuffer")
     getters = [
-        n for n in mixin.body if isinstance(n, ast.FunctionDef) and n.name == "topk_indices_buffer"
+        n
+        for n in mixin.body
+        if isinstance(n, ast.FunctionDef)
+        and n.name == "topk_indices_buffer"
         and any(isinstance(d, ast.Name) and d.id == "property" for d in n.decorator_list)
     ]
     if len(getters) != 1:
@@ -469,7 +499,9 @@ def patch_dsv32_attention(source: Source) -> None:
         raise source.refuse(place, "already a property: the tree carries the fix")
     init = source.find("DeepseekV32Attention.__init__")
     assigns = [
-        n for n in ast.walk(init) if isinstance(n, ast.Assign)
+        n
+        for n in ast.walk(init)
+        if isinstance(n, ast.Assign)
         and any(ast.unparse(t) == "self.topk_indices_buffer" for t in n.targets)
     ]
     if len(assigns) != 1:
@@ -506,8 +538,11 @@ def patch_dsv32_model(source: Source) -> None:
     init = source.find("DeepseekV32Model.__init__")
     place = "DeepseekV32Model.__init__: SparseMLAIndexGroupBuilder(...)"
     calls = [
-        n for n in ast.walk(init) if isinstance(n, ast.Call)
-        and isinstance(n.func, ast.Name) and n.func.id == "SparseMLAIndexGroupBuilder"
+        n
+        for n in ast.walk(init)
+        if isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Name)
+        and n.func.id == "SparseMLAIndexGroupBuilder"
     ]
     if len(calls) != 1:
         raise source.refuse(place, f"{len(calls)} calls, expected 1")
@@ -577,8 +612,10 @@ def unified_diff(changes: dict[str, tuple[str, str]]) -> Iterator[str]:
         if not old:
             yield "new file mode 100644\n"
         lines = difflib.unified_diff(
-            old.splitlines(keepends=True), new.splitlines(keepends=True),
-            "/dev/null" if not old else f"a/{path}", f"b/{path}",
+            old.splitlines(keepends=True),
+            new.splitlines(keepends=True),
+            "/dev/null" if not old else f"a/{path}",
+            f"b/{path}",
         )
         yield from lines
 

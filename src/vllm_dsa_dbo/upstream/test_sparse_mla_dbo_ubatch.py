@@ -14,7 +14,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn as nn
-
 from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
 from vllm.distributed import (
     cleanup_dist_env_and_memory,
@@ -162,9 +161,7 @@ def _run_dbo(step, stream, num_ubatches: int = 2) -> None:
         num_ubatches,
         compute_stream=stream,
         comm_stream=stream,
-        forward_contexts=[
-            create_forward_context(None, config) for _ in range(num_ubatches)
-        ],
+        forward_contexts=[create_forward_context(None, config) for _ in range(num_ubatches)],
         ready_barrier=barrier,
     )
     errors: list[BaseException] = []
@@ -191,16 +188,10 @@ def _run_dbo(step, stream, num_ubatches: int = 2) -> None:
 
 def test_dbo_ubatch_followers_read_their_own_leaders_topk(dbo_env):
     _, stream = dbo_env
-    buffer = torch.full(
-        (MAX_NUM_TOKENS, INDEX_TOPK), -1, dtype=torch.int32, device=DEVICE
-    )
+    buffer = torch.full((MAX_NUM_TOKENS, INDEX_TOPK), -1, dtype=torch.int32, device=DEVICE)
     builder = SparseMLAIndexGroupBuilder(buffer, MAX_DECODE_ROWS, num_ubatches=2)
     impls = [_impl(builder, buffer, leads) for leads in LEADERS]
-    attns = {
-        i: _leader_attention(impls[i], buffer)
-        for i, leads in enumerate(LEADERS)
-        if leads
-    }
+    attns = {i: _leader_attention(impls[i], buffer) for i, leads in enumerate(LEADERS) if leads}
     group_a, group_b, group_c = (impl.index_group for impl in impls)
     assert group_c is group_b and group_a is not group_b
     assert len(group_a.ubatch_topk_states) == 0
@@ -238,9 +229,7 @@ def test_dbo_ubatch_followers_read_their_own_leaders_topk(dbo_env):
 
     for ubatch in range(2):
         # The follower's impl and its leader's writers resolve one buffer.
-        expected_buffer = (
-            buffer if ubatch == 0 else builder.ubatch_logical_topk.buffers[0]
-        )
+        expected_buffer = buffer if ubatch == 0 else builder.ubatch_logical_topk.buffers[0]
         for key in [(ubatch, 1), (ubatch, 2), (ubatch, -2)]:
             assert seen_buffers[key] is expected_buffer, key
         for layer in range(3):
@@ -262,9 +251,7 @@ def test_dbo_ubatch_followers_read_their_own_leaders_topk(dbo_env):
 
 
 def test_dbo_ubatch_one_microbatch_allocates_nothing(dbo_env):
-    buffer = torch.full(
-        (MAX_NUM_TOKENS, INDEX_TOPK), -1, dtype=torch.int32, device=DEVICE
-    )
+    buffer = torch.full((MAX_NUM_TOKENS, INDEX_TOPK), -1, dtype=torch.int32, device=DEVICE)
     builder = SparseMLAIndexGroupBuilder(buffer, MAX_DECODE_ROWS)
     impls = [_impl(builder, buffer, leads) for leads in LEADERS]
     assert builder.num_ubatches == 1
