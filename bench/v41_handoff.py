@@ -6,7 +6,7 @@ stock vLLM against the fix, bit for bit.
 Runs itself twice in subprocesses, stock vLLM (VLLM_DSA_DBO_DISABLE=1) and
 with the fix. Each builds vLLM's CUDA `DeepseekV4Model` (its own __init__,
 the decoder layers reduced to their attention state as in
-tests/test_deepseek_v41.py: vLLM's `DeepseekV4Indexer` and `SparseAttnIndexer`
+tests/test_patch_deepseek_v41.py: vLLM's `DeepseekV4Indexer` and `SparseAttnIndexer`
 on index sources) on the GPU and runs one DBO step (every layer, then a yield,
 in each microbatch) in vLLM's microbatch threads on a real CUDA stream, under
 `torch.cuda.set_sync_debug_mode("error")` and the torch profiler.
