@@ -73,17 +73,16 @@ def test_bad_mode_is_refused():
 def test_a_read_outside_a_forward_is_not_a_hand_off(vllm_env):
     from vllm.forward_context import ForwardContext, override_forward_context
 
-    from vllm_dsa_dbo.diagnostics.isolation import IsolationChecker, MicrobatchIsolationError
+    from vllm_dsa_dbo.diagnostics.isolation import IsolationChecker
 
-    checker = IsolationChecker("raise")
+    checker = IsolationChecker("audit")
     buffer = object()
     with override_forward_context(ForwardContext({}, {}, {})):
         checker.write("group 1 leader", buffer)
     # FlashInfer SM90's metadata builder reads the follower's buffer for its shape.
     with override_forward_context(None):
         checker.read("group 0 follower 1", "logical top-k", buffer)
-    assert checker.checked_reads == 0
+    assert (checker.checked_reads, sum(checker.violations.values())) == (0, 0)
     with override_forward_context(ForwardContext({}, {}, {})):
-        with pytest.raises(MicrobatchIsolationError, match="group 0 follower 1 in microbatch 0"):
-            checker.read("group 0 follower 1", "logical top-k", buffer)
-    assert checker.checked_reads == 1
+        checker.read("group 0 follower 1", "logical top-k", buffer)
+    assert checker.violations == {("group 1 leader", "group 0 follower 1", "logical top-k"): 1}

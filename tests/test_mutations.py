@@ -341,12 +341,16 @@ MUTATIONS = {
         "        pass\n",
         STATUS_ENV_TEST,
     ),
+    "the checker counts a read outside a forward as a hand-off": (
+        "diagnostics/isolation.py",
+        "        if reader.step is None:\n            return\n",
+        "",
+        "tests/test_isolation.py::test_a_read_outside_a_forward_is_not_a_hand_off",
+    ),
     "memory imports torch before it reads the config": (
         "cli.py",
-        "    source, model = load_config(args)\n"
-        "    from vllm_dsa_dbo.diagnostics.accounting import ubatch_topk_bytes_per_extra_ubatch\n",
-        "    from vllm_dsa_dbo.diagnostics.accounting import ubatch_topk_bytes_per_extra_ubatch\n"
         "    source, model = load_config(args)\n",
+        "    import torch  # noqa: F401\n    source, model = load_config(args)\n",
         f"{BAD_CONFIG}[missing]",
     ),
     "memory leaves a string index_topk_freq to vLLM": (
