@@ -309,7 +309,7 @@ def test_rocm_patches_skipped_off_rocm_when_their_module_cannot_import(monkeypat
     assert wiring["index_group"] is None
     monkeypatch.setattr(patches, "_on_rocm", lambda: True)
     model_target = real_import("vllm.models.deepseek_v32.amd.model")
-    monkeypatch.setattr(model_target, patches._APPLIED, False, raising=False)  # as before register
+    monkeypatch.setattr(model_target, patches._APPLIED, (), raising=False)  # as before register
     wiring = patches.wire(apply=False)
     assert "no aiter here" in wiring["rocm_dsa_attention"]
     assert wiring["rocm_dsa_model"] == "needs rocm_dsa_attention, left unapplied"

@@ -128,7 +128,8 @@ RUNNERS = {
     "plugin": (
         "import sys, pytest, vllm_dsa_dbo; vllm_dsa_dbo.register(); "
         "from vllm.v1.attention.backends.mla import index_group; "
-        "getattr(index_group, '_vllm_dsa_dbo_patched', False) or sys.exit('not patched'); "
+        "from vllm_dsa_dbo.patches import applied; "
+        "'index_group' in applied(index_group) or sys.exit('not patched'); "
         "sys.exit(pytest.main(sys.argv[1:]))"
     ),
 }

@@ -9,14 +9,16 @@ def snapshot(worker) -> dict:
     from vllm.v1.attention.backends.mla import index_group
 
     import dsa_dbo_harness
+    from vllm_dsa_dbo import patches
     from vllm_dsa_dbo.diagnostics import isolation
     from vllm_dsa_dbo.diagnostics.accounting import ubatch_topk_bytes
     from vllm_dsa_dbo.diagnostics.groups import followed_groups, index_groups
 
     model = worker.model_runner.model
     groups = index_groups(model)
-    # With the fix disabled the groups are vLLM's own, without microbatch state.
-    patched = getattr(index_group, "_vllm_dsa_dbo_patched", False)
+    # With the fix disabled the groups are vLLM's own, without microbatch state; the
+    # isolation checker's own patch of the module is no sign of the fix.
+    patched = "index_group" in patches.applied(index_group)
     checker = isolation.CHECKER
     return {
         "plugin_patched": patched,

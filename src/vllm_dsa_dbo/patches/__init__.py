@@ -62,6 +62,11 @@ LOAD_CHECK_MODULES = frozenset({"base_loader", "tensorizer"})
 _APPLIED = "_vllm_dsa_dbo_patched"
 
 
+def applied(target: ModuleType) -> tuple[str, ...]:
+    """The names of the patches applied to `target` (the checker's included)."""
+    return getattr(target, _APPLIED, ())
+
+
 def patch_modules(names: tuple[str, ...] = PATCH_MODULES) -> list[ModuleType]:
     return [importlib.import_module(f"{__name__}.{name}") for name in names]
 
@@ -137,8 +142,8 @@ def wire(apply: bool, names: tuple[str, ...] = PATCH_MODULES) -> dict[str, str |
         requires = getattr(module, "REQUIRES", ())
         if any(r not in result for r in requires):  # needs a patch that does not matter here
             continue
-        applied = getattr(target, _APPLIED, None) or ()
-        if name in applied:
+        in_force = applied(target)
+        if name in in_force:
             result[name] = None
             continue
         missing = [r for r in requires if result[r] is not None]
@@ -149,7 +154,7 @@ def wire(apply: bool, names: tuple[str, ...] = PATCH_MODULES) -> dict[str, str |
                 reason = module.check(target) if hasattr(module, "check") else None
             if reason is None and apply:
                 module.apply(target)
-                setattr(target, _APPLIED, (*applied, name))
+                setattr(target, _APPLIED, (*in_force, name))
         except Exception as e:  # a vLLM that differs must not break register()
             reason = f"{type(e).__name__}: {e}"
         result[name] = reason
