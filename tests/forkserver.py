@@ -30,8 +30,9 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 
-# Heavy imports of every run; none imports the package under test.
+# Heavy imports of every run; none imports the package under test or starts a thread.
 PRELOAD = (
+    "flashinfer.decode",
     "pytest",
     "torch",
     "vllm.config",
@@ -40,6 +41,7 @@ PRELOAD = (
     "vllm.model_executor.layers.attention.sparse_mla_attention",
     "vllm.model_executor.model_loader",
     "vllm.plugins",
+    "vllm.utils.b12x",  # CUTLASS's DSL: about half of what registering imports
     "vllm.utils.torch_utils",
     "vllm.v1.attention.backends.mla.index_group",
     "vllm.v1.worker.ubatching",
