@@ -246,7 +246,7 @@ def _submit_to_socket(path: str, request: dict) -> Started | None:
 
 
 class ForkServer:
-    """The server's client: `run` is thread-safe and runs proceed in parallel."""
+    """The server's client: `submit` is thread-safe and runs proceed in parallel."""
 
     def __init__(self, env: dict[str, str]) -> None:
         self.env = fixed(env)

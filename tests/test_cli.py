@@ -355,7 +355,7 @@ def demo(monkeypatch, capsys) -> Callable[..., subprocess.CompletedProcess]:
     tests/forkserver.py's server): each phase imports vLLM, and the command runs two."""
     from vllm_dsa_dbo import cli as command
 
-    def run_phase(args: list[str], env: dict[str, str], **_: object):
+    def run_phase(args: list[str], env: dict[str, str], **_: object) -> subprocess.CompletedProcess:
         assert args[0] == sys.executable
         return forkserver.python(args[1:], env)
 
