@@ -6,26 +6,33 @@ takes the run's environment, working directory, argv and sys.path (its PYTHONPAT
 fresh interpreter's), so the package it imports is the run's own copy. The server imports in
 the environment of its runs, less the variables read only when used (`lazy`): where this
 process's environment has changed since (imports set some), a new server replaces it; a run
-with an environment of its own (not this process's) runs as a real subprocess.
+with an environment of its own (not this process's) runs as a real subprocess. A run that
+itself runs `python` (a test of a subprocess, under a mutation) asks the same server, over the
+socket its environment names, instead of starting one of its own.
 """
 
 from __future__ import annotations
 
 import atexit
+import gc
 import importlib
 import json
 import os
 import runpy
+import select
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import types
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 
-# Heavy imports of every run; none imports the package under test.
+# Heavy imports of every run; none imports the package under test or starts a thread.
 PRELOAD = (
+    "flashinfer.decode",
     "pytest",
     "torch",
     "vllm.config",
@@ -34,16 +41,18 @@ PRELOAD = (
     "vllm.model_executor.layers.attention.sparse_mla_attention",
     "vllm.model_executor.model_loader",
     "vllm.plugins",
+    "vllm.utils.b12x",  # CUTLASS's DSL: about half of what registering imports
     "vllm.utils.torch_utils",
     "vllm.v1.attention.backends.mla.index_group",
     "vllm.v1.worker.ubatching",
 )
 PACKAGE = "vllm_dsa_dbo"
+SOCKET = "FORKSERVER_SOCKET"
 
 
 def lazy(name: str) -> bool:
     """Read only when used: by the import system, pytest, vLLM's plugin loader, the package."""
-    return name in ("PYTHONPATH", "PYTEST_CURRENT_TEST", "VLLM_PLUGINS") or name.startswith(
+    return name in ("PYTHONPATH", "PYTEST_CURRENT_TEST", "VLLM_PLUGINS", SOCKET) or name.startswith(
         "VLLM_DSA_DBO_"
     )
 
@@ -96,7 +105,7 @@ def _child(request: dict, out: int) -> None:
     os.close(out)
     os.chdir(request["cwd"])
     os.environ.clear()
-    os.environ.update(request["env"])
+    os.environ.update(request["env"], **{SOCKET: request["socket"]})
     _redirect(0, os.devnull, os.O_RDONLY)
     sys.stdin = open(os.devnull)  # the server's buffered stdin may hold later requests
     for fd, name in ((1, "stdout"), (2, "stderr")):
@@ -126,33 +135,118 @@ def _monitor(request: dict, out: int) -> None:
         os._exit(0)
 
 
+def _accept(listener: socket.socket, env: dict[str, str]) -> tuple[dict, int] | None:
+    """A run's request from a connection, and where to answer it; None if refused."""
+    conn, _ = listener.accept()
+    with conn, conn.makefile() as reader:
+        request = json.loads(reader.readline())
+        if fixed(request["env"]) != env:
+            _send(conn.fileno(), {"refused": True})
+            return None
+        return request, os.dup(conn.fileno())
+
+
 def serve() -> None:
-    """Reads one JSON request a line from stdin until EOF and answers on stdout."""
+    """Reads one JSON request a line from stdin until EOF and answers on stdout; runs'
+    own runs connect to its socket, one request a connection, answered there."""
+    env = fixed(dict(os.environ))
     for name in PRELOAD:
         importlib.import_module(name)
     if PACKAGE in sys.modules:
         raise RuntimeError(f"preloading imported {PACKAGE}: every run would share it")
     if threading.active_count() > 1:
         raise RuntimeError("preloading started a thread: forking could deadlock the runs")
+    # Out of the collector's sight: every run's collections skip the preloaded heap.
+    gc.freeze()
     sys.stdout.flush()
     sys.stderr.flush()
     out = os.dup(1)
     _redirect(1, os.devnull, os.O_WRONLY)
+    path = os.path.join(tempfile.mkdtemp(), "socket")
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(path)
+    listener.listen()
     _send(out, {"ready": True})
-    monitors = set()
-    for line in sys.stdin:
-        pid = os.fork()
-        if pid == 0:
-            _monitor(json.loads(line), out)
-        monitors.add(pid)
+    monitors, pending = set(), b""
+    while True:
+        requests = []
+        ready = select.select([0, listener], [], [])[0]
+        if listener in ready and (accepted := _accept(listener, env)):
+            requests.append(accepted)
+        if 0 in ready:
+            data = os.read(0, 1 << 16)
+            if not data:
+                break
+            *lines, pending = (pending + data).split(b"\n")
+            requests += [(json.loads(line), out) for line in lines]
+        for request, answer in requests:
+            pid = os.fork()
+            if pid == 0:
+                _monitor({**request, "socket": path}, answer)
+            monitors.add(pid)
+            if answer != out:
+                os.close(answer)
         while monitors and (done := os.waitpid(-1, os.WNOHANG)[0]):
             monitors.discard(done)
+    listener.close()
+    os.unlink(path)
     for pid in monitors:
         os.waitpid(pid, 0)
 
 
+# A started run's pid, and its exit code within a timeout (TimeoutError past it).
+Started = tuple[Callable[[], int], Callable[[float], int]]
+
+
+def _run(
+    submit: Callable[[dict], Started | None],
+    args: list[str],
+    cwd: str,
+    env: dict[str, str],
+    timeout: float,
+) -> subprocess.CompletedProcess | None:
+    """The run `submit` starts from its request, as `subprocess.run` returns it; None if
+    the server refused it."""
+    with tempfile.TemporaryDirectory() as tmp:
+        stdout, stderr = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        request = {"args": args, "cwd": cwd, "env": env, "stdout": str(stdout)}
+        started = submit({**request, "stderr": str(stderr)})
+        if started is None:
+            return None
+        pid, code = started
+        command = [sys.executable, *args]
+        try:
+            rc = code(timeout)
+        except TimeoutError:
+            os.kill(pid(), 9)
+            raise subprocess.TimeoutExpired(command, timeout) from None
+        out, err = stdout.read_text(errors="replace"), stderr.read_text(errors="replace")
+        return subprocess.CompletedProcess(command, rc, out, err)
+
+
+def _submit_to_socket(path: str, request: dict) -> Started | None:
+    """`request` to the server listening at `path`; None if it refused it."""
+    conn = socket.socket(socket.AF_UNIX)
+    conn.connect(path)
+    conn.sendall((json.dumps({**request, "id": 0}) + "\n").encode())
+    reader = conn.makefile()
+    started = json.loads(reader.readline())
+    if "refused" in started:
+        conn.close()
+        return None
+
+    def code(timeout: float) -> int:
+        conn.settimeout(timeout)
+        try:
+            return json.loads(reader.readline())["rc"]
+        finally:
+            conn.close()
+
+    return lambda: started["pid"], code
+
+
 class ForkServer:
-    """The server's client: `run` is thread-safe and runs proceed in parallel."""
+    """The server's client: `submit` is thread-safe and runs proceed in parallel."""
 
     def __init__(self, env: dict[str, str]) -> None:
         self.env = fixed(env)
@@ -179,28 +273,15 @@ class ForkServer:
         for future in [*self._pids.values(), *self._codes.values()]:
             future.set_exception(RuntimeError("fork server exited"))
 
-    def run(
-        self, args: list[str], cwd: str, env: dict[str, str], timeout: float
-    ) -> subprocess.CompletedProcess:
-        with tempfile.TemporaryDirectory() as tmp:
-            stdout, stderr = Path(tmp) / "stdout", Path(tmp) / "stderr"
-            with self._lock:
-                run_id = self._next_id
-                self._next_id += 1
-                pid, code = Future(), Future()
-                self._pids[run_id], self._codes[run_id] = pid, code
-                request = {"id": run_id, "args": args, "cwd": cwd, "env": env}
-                request.update(stdout=str(stdout), stderr=str(stderr))
-                self._process.stdin.write(json.dumps(request) + "\n")
-                self._process.stdin.flush()
-            command = [sys.executable, *args]
-            try:
-                rc = code.result(timeout)
-            except TimeoutError:
-                os.kill(pid.result(), 9)
-                raise subprocess.TimeoutExpired(command, timeout) from None
-            out, err = stdout.read_text(errors="replace"), stderr.read_text(errors="replace")
-            return subprocess.CompletedProcess(command, rc, out, err)
+    def submit(self, request: dict) -> Started:
+        with self._lock:
+            run_id = self._next_id
+            self._next_id += 1
+            pid, code = Future(), Future()
+            self._pids[run_id], self._codes[run_id] = pid, code
+            self._process.stdin.write(json.dumps({**request, "id": run_id}) + "\n")
+            self._process.stdin.flush()
+        return pid.result, code.result
 
     def close(self) -> None:
         self._process.stdin.close()
@@ -232,8 +313,14 @@ def python(
     args: list[str], env: dict[str, str], cwd: Path | None = None, timeout: float = 600
 ) -> subprocess.CompletedProcess:
     """`subprocess.run([sys.executable, *args], capture_output=True, text=True, ...)`."""
-    server = _server_for(env) if args[0] in ("-m", "-c") else None
-    if server is None:
+    result = None
+    if args[0] in ("-m", "-c"):
+        where = str(cwd or os.getcwd())
+        if path := os.environ.get(SOCKET):
+            result = _run(lambda r: _submit_to_socket(path, r), args, where, env, timeout)
+        if result is None and (server := _server_for(env)):
+            result = _run(server.submit, args, where, env, timeout)
+    if result is None:
         return subprocess.run(
             [sys.executable, *args],
             cwd=cwd,
@@ -242,7 +329,7 @@ def python(
             text=True,
             timeout=timeout,
         )
-    return server.run(args, str(cwd or os.getcwd()), env, timeout)
+    return result
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
+from types import SimpleNamespace
 
 import pytest
 import torch.nn as nn
@@ -347,8 +349,32 @@ def test_memory_bad_sizes(flag, value):
     assert flag in result.stderr
 
 
-def test_demo_shows_the_corruption_and_the_fix():
-    result = cli("demo")
+@pytest.fixture
+def demo(monkeypatch, capsys) -> Callable[..., subprocess.CompletedProcess]:
+    """`vllm-dsa-dbo demo` in this process, its phases run as `cli` runs are (forked from
+    tests/forkserver.py's server): each phase imports vLLM, and the command runs two."""
+    from vllm_dsa_dbo import cli as command
+
+    def run_phase(args: list[str], env: dict[str, str], **_: object) -> subprocess.CompletedProcess:
+        assert args[0] == sys.executable
+        return forkserver.python(args[1:], env)
+
+    monkeypatch.setattr(command, "subprocess", SimpleNamespace(run=run_phase))
+    for name in [k for k in os.environ if k.startswith("VLLM_")]:
+        monkeypatch.delenv(name)
+
+    def run(**env: str) -> subprocess.CompletedProcess:
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        rc = command.main(["demo"])
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(["vllm-dsa-dbo", "demo"], rc, out, err)
+
+    return run
+
+
+def test_demo_shows_the_corruption_and_the_fix(demo):
+    result = demo()
     assert result.returncode == 0, result.stdout + result.stderr
     stock, fixed = result.stdout.split("with vllm-dsa-dbo:", 1)
     wrong = re.findall(r"layer (\d) \(follows \d\), microbatch (\d).*\[WRONG\]", stock)
@@ -358,17 +384,17 @@ def test_demo_shows_the_corruption_and_the_fix():
     assert "0 of 16 top-k reads came from the wrong microbatch" in fixed
 
 
-def test_demo_with_the_checker_in_both_modes():
+def test_demo_with_the_checker_in_both_modes(demo):
     """README's `VLLM_DSA_DBO_CHECK=audit vllm-dsa-dbo demo`, and raise: the checker
     counts (audit) or stops at (raise) stock vLLM's bad reads, and sees none with the fix."""
-    audit = cli("demo", VLLM_DSA_DBO_CHECK="audit")
+    audit = demo(VLLM_DSA_DBO_CHECK="audit")
     assert audit.returncode == 0, audit.stdout + audit.stderr
     stock, fixed = audit.stdout.split("with vllm-dsa-dbo:", 1)
     assert "isolation checker (audit): 12 violations" in stock
     assert "isolation checker (audit): 0 violations" in fixed
     assert audit.stdout.rstrip().endswith("the isolation checker (audit) saw no bad read")
 
-    raised = cli("demo", VLLM_DSA_DBO_CHECK="raise")
+    raised = demo(VLLM_DSA_DBO_CHECK="raise")
     assert raised.returncode == 0, raised.stdout + raised.stderr
     assert "Traceback" not in raised.stderr
     stock, fixed = raised.stdout.split("with vllm-dsa-dbo:", 1)

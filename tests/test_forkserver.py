@@ -41,3 +41,24 @@ def test_argv_cwd_exit_codes_and_tracebacks_are_a_fresh_interpreters(tmp_path):
     usage = forkserver.python(["-m", "vllm_dsa_dbo.cli", "--help"], env)
     assert usage.returncode == 0 and "usage: vllm-dsa-dbo" in usage.stdout
     assert usage.args == [sys.executable, "-m", "vllm_dsa_dbo.cli", "--help"]
+
+
+# A run's parent is its monitor, a child of the server.
+SERVER = (
+    "import os\n"
+    "def server():\n"
+    "    return open(f'/proc/{os.getppid()}/stat').read().rsplit(')', 1)[1].split()[1]\n"
+)
+NESTED = SERVER + (
+    "import sys, forkserver\n"
+    "inner = forkserver.python(['-c', sys.argv[1] + 'print(server())'], dict(os.environ))\n"
+    "print(server(), inner.stdout.strip() or inner.stderr, forkserver._server is None)\n"
+)
+
+
+def test_a_runs_own_run_forks_from_the_same_server():
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(forkserver.__file__)}
+    result = forkserver.python(["-c", NESTED, SERVER], env)
+    assert result.returncode == 0, result.stderr
+    outer, inner, started_none = result.stdout.split()
+    assert (inner, started_none) == (outer, "True"), result.stdout

@@ -38,6 +38,7 @@ from vllm_dsa_dbo.testing.stack import (
     Source,
     attention_module,
     logical_topk,
+    make_impl,
     metadata,
 )
 
@@ -237,27 +238,15 @@ class BackendStack:
     def new_impl(self, builder: Any, buffer: torch.Tensor, leads: bool) -> Any:
         """The backend's impl as MLAAttention builds it (leaders own an indexer)."""
         v = self.variant
-        return v.impl_cls(
+        return make_impl(
+            builder,
+            buffer,
+            leads,
+            impl_cls=v.impl_cls,
             num_heads=v.num_heads,
-            head_size=576,
-            scale=1.0,
-            num_kv_heads=1,
-            alibi_slopes=None,
-            sliding_window=None,
             kv_cache_dtype=v.kv_cache_dtype,
-            logits_soft_cap=None,
-            attn_type="decoder",
-            kv_sharing_target_layer_name=None,
-            q_lora_rank=None,
-            kv_lora_rank=512,
             qk_nope_head_dim=192,
-            qk_rope_head_dim=64,
-            qk_head_dim=256,
             v_head_dim=256,
-            kv_b_proj=None,
-            indexer=SimpleNamespace(topk_indices_buffer=buffer) if leads else None,
-            topk_indices_buffer=buffer,
-            index_group_builder=builder,
         )
 
     def module_of(self, impl: Any, leads: bool) -> nn.Module:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -30,6 +31,7 @@ INDEX_TOPK = 128
 BLOCK_SIZE = 64
 MAX_NUM_BATCHED_TOKENS = 32
 MAX_DECODE_ROWS = 8
+QK_ROPE_HEAD_DIM = 64
 # Different lengths and requests per microbatch, so a wrong read shows.
 TOKENS_PER_UBATCH = (6, 4)
 REQS_PER_UBATCH = (2, 3)
@@ -66,26 +68,32 @@ def make_impl(
     buffer: torch.Tensor,
     leads: bool,
     indexer: object | None = None,
-) -> SparseMLACommonImpl:
-    """A real sparse MLA impl registered in `builder` as the model's layers are
-    (no builder: the impl builds a private group, as HYV4's layers do)."""
-    return SparseMLACommonImpl(
-        num_heads=1,
+    *,
+    impl_cls: type = SparseMLACommonImpl,
+    num_heads: int = 1,
+    kv_cache_dtype: str = "auto",
+    qk_nope_head_dim: int = 128,
+    v_head_dim: int = 128,
+) -> Any:
+    """A real sparse MLA impl (`impl_cls`, any backend's) registered in `builder` as the
+    model's layers are (no builder: the impl builds a private group, as HYV4's layers do)."""
+    return impl_cls(
+        num_heads=num_heads,
         head_size=576,
         scale=1.0,
         num_kv_heads=1,
         alibi_slopes=None,
         sliding_window=None,
-        kv_cache_dtype="auto",
+        kv_cache_dtype=kv_cache_dtype,
         logits_soft_cap=None,
         attn_type="decoder",
         kv_sharing_target_layer_name=None,
         q_lora_rank=None,
         kv_lora_rank=512,
-        qk_nope_head_dim=128,
-        qk_rope_head_dim=64,
-        qk_head_dim=192,
-        v_head_dim=128,
+        qk_nope_head_dim=qk_nope_head_dim,
+        qk_rope_head_dim=QK_ROPE_HEAD_DIM,
+        qk_head_dim=qk_nope_head_dim + QK_ROPE_HEAD_DIM,
+        v_head_dim=v_head_dim,
         kv_b_proj=None,
         # Leaders own an indexer; the impl then resolves the buffer through it.
         indexer=indexer or (SimpleNamespace(topk_indices_buffer=buffer) if leads else None),
