@@ -60,8 +60,8 @@ spec() {  # NAME -> "model fix mode dbo-args"; a number N as model means freqN
     read -r model mode args <<< "$found"
     case "$run" in
       off|off_a|off_b) echo "$model on $mode $args"; return ;;
-      on_stock)        echo "$model off $mode --dbo $args"; return ;;
-      on_fix)          echo "$model on $mode --dbo $args"; return ;;
+      on_stock|on_stock_b) echo "$model off $mode --dbo $args"; return ;;
+      on_fix|on_fix_b) echo "$model on $mode --dbo $args"; return ;;
     esac
   fi
   case "$1" in
