@@ -28,6 +28,8 @@ import xml.etree.ElementTree as ET
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import forkserver
+
 VERSION = "0.33.0"
 SDIST = f"vllm-{VERSION}.tar.gz"
 SDIST_ENV = "VLLM_DSA_DBO_SDIST"
@@ -138,29 +140,26 @@ RUNNERS = {
 def run(
     root: Path, args: list[str], mode: str, env_extra: dict[str, str] | None = None
 ) -> tuple[str, dict[str, str]]:
-    """One pytest run of vLLM's tests under `root`: its summary line and each test's outcome."""
+    """One pytest run of vLLM's tests under `root`: its summary line and each test's outcome.
+
+    A run with a PYTHONPATH of its own (a vLLM source tree first) is a fresh interpreter;
+    one of the installed vLLM forks, where it can, from an interpreter that imported it
+    (forkserver.py).
+    """
     env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS" and "DSA_DBO" not in k}
     env.update(env_extra or {})
     if mode == "stock":
         env["VLLM_PLUGINS"] = ""
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.xml"
-        result = subprocess.run(
-            [
-                sys.executable,
-                "-c",
-                RUNNERS[mode],
-                "-q",
-                "-p",
-                "no:cacheprovider",
-                f"--junitxml={report}",
-                *args,
-            ],
-            cwd=root,
-            env=env,
-            capture_output=True,
-            text=True,
-        )
+        command = ["-c", RUNNERS[mode], "-q", "-p", "no:cacheprovider", f"--junitxml={report}"]
+        command += args
+        if env.get("PYTHONPATH") == os.environ.get("PYTHONPATH"):
+            result = forkserver.python(command, env, cwd=root, timeout=3600)
+        else:
+            result = subprocess.run(
+                [sys.executable, *command], cwd=root, env=env, capture_output=True, text=True
+            )
         lines = result.stdout.strip().splitlines() or [result.stderr.strip()[-2000:]]
         if not report.is_file():
             return f"{mode}: no report ({lines[-1]})", {}
