@@ -50,12 +50,13 @@ def extract_tree(sdist: Path, dest: Path) -> Path:
     root = dest / f"vllm-{vllm_sdist.VERSION}"
     prefix = f"{root.name}/"
     with tarfile.open(sdist) as tar:
-        members = [
+        # Each member as its header is read: one pass through the archive.
+        members = (
             m
-            for m in tar.getmembers()
+            for m in tar
             if m.name.startswith((f"{prefix}vllm/", f"{prefix}tests/"))
             or (m.name.count("/") == 1 and m.isfile())
-        ]
+        )
         tar.extractall(dest, members=members, filter="data")
     link_installed(installed_vllm(), root / "vllm")
     return root
@@ -107,9 +108,9 @@ def run(root: Path, args: list[str]) -> tuple[str, dict[str, str]]:
 
 def prepare(dest: Path) -> tuple[Path, Path]:
     """An unpatched and a patched tree under `dest`."""
-    sdist = vllm_sdist.fetch()
-    unpatched = extract_tree(sdist, dest / "unpatched")
-    patched = extract_tree(sdist, dest / "patched")
+    unpatched = extract_tree(vllm_sdist.fetch(), dest / "unpatched")
+    patched = dest / "patched" / unpatched.name
+    shutil.copytree(unpatched, patched, symlinks=True)
     result = patch_tree(patched)
     if result.returncode != 0:
         raise RuntimeError(f"upstream-patch failed: {result.stderr}")
