@@ -38,8 +38,6 @@ def current_ubatch_id() -> int:
     `dbo_current_ubatch_id()` raises KeyError for a thread that is not a
     microbatch thread while microbatches run; a state lookup must not.
     """
-    if not _UBATCH_ID_OF_THREAD:
-        return 0
     return _UBATCH_ID_OF_THREAD.get(threading.get_ident(), 0)
 
 
@@ -66,6 +64,7 @@ class UbatchTopkState:
 UBATCH_TOPK_FIELDS = tuple(f.name for f in fields(UbatchTopkState))
 
 
+@dataclass(eq=False)
 class UbatchLogicalTopk:
     """The logical top-k buffers of microbatches 1.. that one builder's groups share.
 
@@ -73,10 +72,9 @@ class UbatchLogicalTopk:
     their first follower included; `allocate` fills it once, at that follower.
     """
 
-    def __init__(self, buffer: torch.Tensor, num_ubatches: int) -> None:
-        self.buffer = buffer
-        self.num_ubatches = num_ubatches
-        self.buffers: tuple[torch.Tensor, ...] = ()
+    buffer: torch.Tensor
+    num_ubatches: int
+    buffers: tuple[torch.Tensor, ...] = ()
 
     def allocate(self) -> None:
         """One buffer shaped like microbatch 0's per extra microbatch, once."""
@@ -140,9 +138,7 @@ def resolve_logical_topk(
     buffer of a group whose leader writes the top-k without asking the impl
     (its writers would fill microbatch 0's buffer for every microbatch).
     """
-    if not _UBATCH_ID_OF_THREAD:
-        return buffer
-    ubatch_id = _UBATCH_ID_OF_THREAD.get(threading.get_ident(), 0)
+    ubatch_id = current_ubatch_id()
     if ubatch_id == 0 or group is None or not group.leader_writes_follow_impl:
         return buffer
     extra = group.ubatch_logical_topk
