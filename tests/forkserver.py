@@ -195,7 +195,7 @@ def serve() -> None:
 
 
 # A started run's pid, and its exit code within a timeout (TimeoutError past it).
-Started = tuple[Callable[[], int], Callable[[float], int]]
+Started = tuple[Callable[[], int], Callable[[float | None], int]]
 
 
 def _run(
@@ -203,7 +203,7 @@ def _run(
     args: list[str],
     cwd: str,
     env: dict[str, str],
-    timeout: float,
+    timeout: float | None,
 ) -> subprocess.CompletedProcess | None:
     """The run `submit` starts from its request, as `subprocess.run` returns it; None if
     the server refused it."""
@@ -235,7 +235,7 @@ def _submit_to_socket(path: str, request: dict) -> Started | None:
         conn.close()
         return None
 
-    def code(timeout: float) -> int:
+    def code(timeout: float | None) -> int:
         conn.settimeout(timeout)
         try:
             return json.loads(reader.readline())["rc"]
@@ -310,7 +310,7 @@ def _server_for(env: dict[str, str]) -> ForkServer | None:
 
 
 def python(
-    args: list[str], env: dict[str, str], cwd: Path | None = None, timeout: float = 600
+    args: list[str], env: dict[str, str], cwd: Path | None = None, timeout: float | None = 600
 ) -> subprocess.CompletedProcess:
     """`subprocess.run([sys.executable, *args], capture_output=True, text=True, ...)`."""
     result = None

@@ -155,7 +155,7 @@ def run(
         command = ["-c", RUNNERS[mode], "-q", "-p", "no:cacheprovider", f"--junitxml={report}"]
         command += args
         if env.get("PYTHONPATH") == os.environ.get("PYTHONPATH"):
-            result = forkserver.python(command, env, cwd=root, timeout=3600)
+            result = forkserver.python(command, env, cwd=root, timeout=None)
         else:
             result = subprocess.run(
                 [sys.executable, *command], cwd=root, env=env, capture_output=True, text=True
