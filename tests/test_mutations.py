@@ -324,8 +324,8 @@ MUTATIONS = {
     ),
     "patches applied without the patches they need": (
         "patches/__init__.py",
-        "        missing = [r for r in requires if result[r] is not None]\n",
-        "        missing = []\n",
+        "    missing = [r for r in requires if known[r] is not None]\n",
+        "    missing = []\n",
         "tests/test_patch_rocm_dsa.py::"
         "test_rocm_patches_skipped_off_rocm_when_their_module_cannot_import",
     ),
