@@ -13,8 +13,9 @@ DBO off with the fix, for the DBO speed-up.
 The harness (`VLLM_DSA_DBO_HARNESS_MEASURE=1`) times every microbatched
 forward of the generation in each worker between two device syncs, and runs
 its 20th (a decode step) under the torch profiler with
-`torch.cuda.set_sync_debug_mode("warn")`. In FULL_DECODE_ONLY mode a decode
-forward is one graph replay. Where a configuration ran twice per arm, the
+`torch.cuda.set_sync_debug_mode("warn")`, and its 21st under a frame timer
+that sums the product's own Python time in every thread. In FULL_DECODE_ONLY
+mode a decode forward is one graph replay. Where a configuration ran twice per arm, the
 second table sets the fix's ratio against the repeat agreement of each arm.
 """
 
@@ -72,6 +73,16 @@ def busiest_host_op(profile: dict) -> dict | None:
     }
 
 
+def fix_host_share(measured: dict) -> float | None:
+    """The product's own Python time in the frame-timed forward, as a share of the
+    worker's median untimed forward; None where a run did not time its frames (before
+    the frame timer, the torch profiler's Python tracer missed the microbatch threads)."""
+    frames = measured.get("fix_frames")
+    if frames is None:
+        return None
+    return frames["self_us"] / (1e6 * statistics.median(measured["seconds"]))
+
+
 def summary(run: dict) -> dict:
     profiles = [w["measured"]["profile"] for w in workers(run)]
     timed = seconds(run)
@@ -87,11 +98,8 @@ def summary(run: dict) -> dict:
         "cuda_kernels": [p["cuda_kernels"] for p in profiles],
         "sync_warnings": [p["sync_warnings"] for p in profiles],
         "busiest_host_op": [busiest_host_op(p) for p in profiles],
-        # Older runs did not record the product's own frames.
-        "fix_host_share": [
-            p["fix_frames_self_cpu_us"] / p["profiled_wall_us"] if "profiled_wall_us" in p else None
-            for p in profiles
-        ],
+        "fix_host_share": [fix_host_share(w["measured"]) for w in workers(run)],
+        "fix_frames": [w["measured"].get("fix_frames") for w in workers(run)],
         "kernels_by_name": [p["kernels_by_name"] for p in profiles],
     }
 
@@ -190,16 +198,24 @@ def main(argv: list[str] | None = None) -> int:
             own = " / ".join(f"{op['self_ms']:.1f}" for op in ops)
             listed = " / ".join(f"{op['listed_ops_self_ms']:.1f}" for op in ops)
             print(f"| {mode} | {arm} | {names} | {own} | {listed} |")
-    shares = [
-        (mode, row["fix"]["fix_host_share"])
+    timed = [
+        (mode, arm, row[arm])
         for mode, row in pairs.items()
-        if None not in row["fix"]["fix_host_share"]
+        for arm in ("stock", "fix")
+        if None not in row[arm]["fix_host_share"]
     ]
-    if shares:
-        print("\n| mode | the fix's own host time, share of the profiled forward (per worker) |")
-        print("|---|---|")
-        for mode, share in shares:
-            print(f"| {mode} | {' / '.join(f'{100 * x:.2f} %' for x in share)} |")
+    if timed:
+        print(
+            "\n| mode | arm | the product's own Python time in the frame-timed forward, share of "
+            "a median forward (frames, µs), per worker |"
+        )
+        print("|---|---|---|")
+        for mode, arm, row in timed:
+            cells = (
+                f"{100 * share:.3f} % ({f['calls']}, {f['self_us']:.0f})"
+                for share, f in zip(row["fix_host_share"], row["fix_frames"])
+            )
+            print(f"| {mode} | {arm} | {' / '.join(cells)} |")
     if args.json:
         args.json.write_text(json.dumps({"pairs": pairs, "repeat_agreement": agreement}, indent=1))
     return 0

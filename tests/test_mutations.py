@@ -66,6 +66,7 @@ UPSTREAM_REFUSAL_TEST = (
 )
 UPSTREAM_DRY_RUN_TEST = f"{UPSTREAM}::test_diff_applies_with_git_and_dry_run_writes_nothing"
 RECORDS_TEST = "tests/test_patch_records.py::test_every_patch_lists_what_it_sets"
+MODEL_MODULES_TEST = "tests/test_plugin.py::test_model_modules_are_patched_when_vllm_imports_them"
 
 MUTATIONS = {
     "index group always returns microbatch 0's state": (
@@ -73,6 +74,18 @@ MUTATIONS = {
         "            if ubatch_id and group.ubatch_topk_states:\n",
         "            if False:\n",
         CORE_TEST,
+    ),
+    "model modules imported at registration": (
+        "patches/__init__.py",
+        "target_name.startswith(MODEL_PACKAGES) and",
+        "False and",
+        MODEL_MODULES_TEST,
+    ),
+    "a model module imported later is never patched": (
+        "patches/_on_import.py",
+        "        for callback in self._finder.pending.pop(module.__name__, ()):\n",
+        "        for callback in ():\n",
+        MODEL_MODULES_TEST,
     ),
     "impl not wired to the per-microbatch logical buffers": (
         "patches/sparse_mla_attention.py",
@@ -311,8 +324,8 @@ MUTATIONS = {
     ),
     "patches applied without the patches they need": (
         "patches/__init__.py",
-        "        missing = [r for r in requires if result[r] is not None]\n",
-        "        missing = []\n",
+        "    missing = [r for r in requires if known[r] is not None]\n",
+        "    missing = []\n",
         "tests/test_patch_rocm_dsa.py::"
         "test_rocm_patches_skipped_off_rocm_when_their_module_cannot_import",
     ),
@@ -474,6 +487,7 @@ def copy_package(root: Path) -> Path:
         AB_QUESTIONS_TEST,
         AB_TWO_RUNS_TEST,
         RECORDS_TEST,
+        MODEL_MODULES_TEST,
         UPSTREAM_TEST,
         UPSTREAM_CODE_TEST,
         UPSTREAM_REFUSAL_TEST,

@@ -3,6 +3,7 @@ registration is idempotent, HiSparse followers under DBO are refused."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import textwrap
@@ -39,6 +40,41 @@ def test_vllm_loads_the_entry_point():
 def test_vllm_plugins_filter_and_env_switch_turn_it_off():
     assert "PATCHED False" in run_python(LOAD, PATCHED, VLLM_PLUGINS="other").stdout
     assert "PATCHED False" in run_python(LOAD, PATCHED, VLLM_DSA_DBO_DISABLE="1").stdout
+
+
+MODEL_MODULES = """
+    import importlib, json, sys
+    from vllm_dsa_dbo import patches
+    every = patches.patch_modules(patches.PATCH_MODULES + patches.CHECK_PATCH_MODULES)
+    targets = sorted({
+        m.PATCH.target for m in every
+        if m.PATCH.target.startswith(patches.MODEL_PACKAGES) and ".amd." not in m.PATCH.target
+    })
+    before = [t for t in targets if t in sys.modules]
+    after = {t: patches.applied(importlib.import_module(t)) for t in targets}
+    print("MODELS " + json.dumps({"imported_by_register": before, "patched_on_import": after}))
+"""
+
+
+def test_model_modules_are_patched_when_vllm_imports_them():
+    """register() imports no model module: on CUDA that import initializes CUDA, and vLLM's
+    engine core then spawns its workers instead of forking them. Each is patched as vLLM
+    imports it, the isolation checker's patches after the fix's."""
+    result = run_python(LOAD, MODEL_MODULES, VLLM_DSA_DBO_CHECK="audit")
+    line = next((s for s in result.stdout.splitlines() if s.startswith("MODELS ")), None)
+    assert line is not None, result.stderr[-3000:]
+    found = json.loads(line.removeprefix("MODELS "))
+    assert found["imported_by_register"] == []
+    assert found["patched_on_import"] == {
+        "vllm.models.deepseek_v32.attention": ["deepseek_v32_attention"],
+        "vllm.models.deepseek_v41.attention": [
+            "deepseek_v41_attention",
+            "isolation_deepseek_v41_attention",
+        ],
+        "vllm.models.deepseek_v41.nvidia.model": ["deepseek_v41_model"],
+        "vllm.models.hy_v4.nvidia.attention": ["hy_v4_attention"],
+        "vllm.models.hy_v4.nvidia.model": ["hy_v4_model"],
+    }
 
 
 RECORD_LOG = """

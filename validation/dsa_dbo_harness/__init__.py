@@ -21,6 +21,7 @@ import inspect
 import os
 import sys
 import textwrap
+import threading
 import time
 import warnings
 from collections import Counter
@@ -41,7 +42,7 @@ LOG_EVERY = 50
 # Per process, read back through collective_rpc: microbatched forwards by kind,
 # and with MEASURE_ENV the measurements below.
 COUNTS: Counter[str] = Counter()
-MEASURED: dict = {"from_call": None, "seconds": [], "profile": None}
+MEASURED: dict = {"from_call": None, "seconds": [], "profile": None, "fix_frames": None}
 # What this process changed in vLLM's own checks and yields.
 GATES: list[str] = []
 
@@ -166,19 +167,37 @@ def start_measuring(worker) -> None:
 def _measured(call):
     """Wall time of one microbatched forward between two device syncs (the
     syncs are outside it, the same for every run); the PROFILED_FORWARD-th is
-    profiled instead: CUDA kernels launched, synchronizing calls made, the
-    host operators taking the most time of their own (all threads) and the
-    time spent in the product's own Python frames."""
+    profiled instead (CUDA kernels launched, synchronizing calls made, the host
+    operators taking the most time of their own, all threads), and the next one
+    runs under the product's frame timer."""
     import torch
 
     index = COUNTS["ubatched_calls"] - MEASURED["from_call"]
     torch.cuda.synchronize()
-    if index != PROFILED_FORWARD:
+    if index == PROFILED_FORWARD:
+        return _profiled(call, index)
+    if index == PROFILED_FORWARD + 1:
+        timer = FrameTimer(_product_dir())
         start = time.perf_counter()
-        out = call()
-        torch.cuda.synchronize()
-        MEASURED["seconds"].append(time.perf_counter() - start)
+        with timer.installed():
+            out = call()
+            torch.cuda.synchronize()
+        MEASURED["fix_frames"] = {
+            "forward": index,
+            "calls": timer.calls,
+            "self_us": timer.self_s * 1e6,
+            "timed_wall_us": (time.perf_counter() - start) * 1e6,
+        }
         return out
+    start = time.perf_counter()
+    out = call()
+    torch.cuda.synchronize()
+    MEASURED["seconds"].append(time.perf_counter() - start)
+    return out
+
+
+def _profiled(call, index: int):
+    import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -190,14 +209,11 @@ def _measured(call):
             profile(
                 activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
                 experimental_config=all_threads,
-                with_stack=True,
             ) as prof,
         ):
             warnings.simplefilter("always")
-            start = time.perf_counter()
             out = call()
             torch.cuda.synchronize()
-            wall_us = (time.perf_counter() - start) * 1e6
     finally:
         torch.cuda.set_sync_debug_mode("default")
     kernels = Counter(e.name for e in prof.events() if e.device_type == DeviceType.CUDA)
@@ -207,12 +223,6 @@ def _measured(call):
         "kernels_by_name": dict(kernels),
         "sync_warnings": sum("synchroniz" in str(w.message) for w in caught),
         "host_ops_all_threads": all_threads is not None,
-        # Python frames of the product (with_stack's function events, which
-        # key_averages leaves out): the fix's own host time, profiler overhead included.
-        "fix_frames_self_cpu_us": sum(
-            e.self_cpu_time_total for e in prof.events() if _is_fix_frame(e.name)
-        ),
-        "profiled_wall_us": wall_us,
         "host_ops_by_self_time": [
             {
                 "name": e.key,
@@ -226,8 +236,56 @@ def _measured(call):
     return out
 
 
-def _is_fix_frame(name: str) -> bool:
-    return "vllm_dsa_dbo" in name and "dsa_dbo_harness" not in name
+def _product_dir() -> str:
+    import vllm_dsa_dbo
+
+    return os.path.dirname(vllm_dsa_dbo.__file__) + os.sep
+
+
+class FrameTimer:
+    """Self time of the Python frames of the files under one directory, in the
+    calling thread and every thread started while installed.
+
+    vLLM starts its microbatch threads anew in each forward, after a profiler
+    started around the forward would have; torch's Python tracer never sees
+    them, so a profile hook does the timing. C calls count to the frame making
+    them, Python calls to the callee. The hook's own cost falls partly into the
+    frames it times: the figure is an upper bound.
+    """
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self.calls = 0
+        self.self_s = 0.0
+        self._lock = threading.Lock()
+        self._stacks = threading.local()
+
+    def __call__(self, frame, event: str, arg) -> None:
+        now = time.perf_counter()
+        if event == "call":
+            stack = self._stacks.__dict__.setdefault("frames", [])
+            stack.append([now, 0.0, frame.f_code.co_filename.startswith(self.directory)])
+            return
+        stack = self._stacks.__dict__.get("frames")
+        if event != "return" or not stack:
+            return
+        start, children, ours = stack.pop()
+        if stack:
+            stack[-1][1] += now - start
+        if ours:
+            with self._lock:
+                self.calls += 1
+                self.self_s += now - start - children
+
+    @contextmanager
+    def installed(self):
+        threading.setprofile(self)
+        sys.setprofile(self)
+        try:
+            yield self
+        finally:
+            sys.setprofile(None)
+            threading.setprofile(None)
 
 
 def _all_threads_config():

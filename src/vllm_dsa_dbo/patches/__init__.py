@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+from vllm_dsa_dbo.patches._on_import import is_pending, on_first_import
+
 
 @dataclass(frozen=True)
 class Patch:
@@ -120,62 +122,108 @@ def short_name(module: ModuleType) -> str:
     return module.__name__.rsplit(".", 1)[1]
 
 
+# vLLM imports a model package's modules only in a process that builds that model. On CUDA,
+# importing one imports FlashInfer, which initializes CUDA, and a vLLM engine core with CUDA
+# initialized spawns its workers instead of forking them: patches of such modules are applied
+# when vLLM imports them.
+MODEL_PACKAGES = "vllm.models."
+
+# This process's outcome of every patch applied or left unapplied so far (None: in force).
+_OUTCOMES: dict[str, str | None] = {}
+# A patch that needs one that does not matter here (a ROCm-only patch off ROCm).
+_IRRELEVANT = object()
+
+
 def wire(apply: bool, names: tuple[str, ...] = PATCH_MODULES) -> dict[str, str | None]:
     """Each patch that matters here, and why it is left unapplied (None: in force).
 
     A patch is left unapplied when its target does not import, its check
     finds vLLM different, applying it raises, or a patch it needs is left
-    unapplied. `apply=False` only tells what applying would do.
+    unapplied. `apply=False` only tells what applying would do. With
+    `apply=True`, a patch of a model package's module that is not imported yet
+    is left out: it is wired when vLLM imports that module.
     """
     result: dict[str, str | None] = {}
+    known = _OUTCOMES if apply else result
     for module in patch_modules(names):
         name = short_name(module)
+        target_name = module.PATCH.target
+        if apply and target_name.startswith(MODEL_PACKAGES) and target_name not in sys.modules:
+            on_first_import(target_name, functools.partial(_wire_imported, module))
+            continue
         try:
-            target = importlib.import_module(module.PATCH.target)
+            target = importlib.import_module(target_name)
         except NotImplementedError:  # vLLM builds no such model here (hy_v4 on XPU)
             continue
         except ImportError as e:  # a ROCm-only module off ROCm is fine; never on ROCm
             if getattr(module, "ROCM_ONLY", False) and not _on_rocm():
                 continue
-            result[name] = f"cannot import {module.PATCH.target}: {e}"
+            result[name] = known[name] = f"cannot import {target_name}: {e}"
             continue
-        requires = getattr(module, "REQUIRES", ())
-        if any(r not in result for r in requires):  # needs a patch that does not matter here
-            continue
-        in_force = applied(target)
-        if name in in_force:
-            result[name] = None
-            continue
-        missing = [r for r in requires if result[r] is not None]
-        try:
-            if missing:
-                reason = f"needs {', '.join(missing)}, left unapplied"
-            else:
-                reason = module.check(target) if hasattr(module, "check") else None
-            if reason is None and apply:
-                module.apply(target)
-                setattr(target, _APPLIED, (*in_force, name))
-        except Exception as e:  # a vLLM that differs must not break register()
-            reason = f"{type(e).__name__}: {e}"
-        result[name] = reason
+        outcome = _outcome(module, target, known, apply)
+        if outcome is not _IRRELEVANT:
+            result[name] = known[name] = outcome
     return result
 
 
-def apply_all(names: tuple[str, ...] = PATCH_MODULES) -> set[str]:
-    """Apply every patch of `names` `wire` allows, once per process; returns those in force.
+def _outcome(module: ModuleType, target: ModuleType, known: dict, apply: bool) -> Any:
+    """Why `module`'s patch of `target` is left unapplied, None if in force, or _IRRELEVANT."""
+    name = short_name(module)
+    requires = getattr(module, "REQUIRES", ())
+    for required in requires:  # one whose module vLLM has not imported yet is wired first
+        required_target = importlib.import_module(f"{__name__}.{required}").PATCH.target
+        if required not in known and is_pending(required_target):
+            importlib.import_module(required_target)
+    if any(r not in known for r in requires):
+        return _IRRELEVANT
+    in_force = applied(target)
+    if name in in_force:
+        return None
+    missing = [r for r in requires if known[r] is not None]
+    try:
+        if missing:
+            reason = f"needs {', '.join(missing)}, left unapplied"
+        else:
+            reason = module.check(target) if hasattr(module, "check") else None
+        if reason is None and apply:
+            module.apply(target)
+            setattr(target, _APPLIED, (*in_force, name))
+    except Exception as e:  # a vLLM that differs must not break register()
+        reason = f"{type(e).__name__}: {e}"
+    return reason
 
-    Each patch left unapplied gets one warning naming why: the models that
-    need it are then refused at load, never corrupted.
-    """
+
+def _wire_imported(module: ModuleType, target: ModuleType) -> None:
+    """`wire(apply=True)` of one patch as vLLM imports its target; never raises into it."""
+    try:
+        outcome = _outcome(module, target, _OUTCOMES, apply=True)
+    except Exception as e:
+        outcome = f"{type(e).__name__}: {e}"
+    if outcome is not _IRRELEVANT:
+        _OUTCOMES[short_name(module)] = outcome
+        if outcome is not None:
+            _warn_unapplied(short_name(module), outcome)
+
+
+def _warn_unapplied(name: str, reason: str) -> None:
     from vllm.logger import init_logger
 
     from vllm_dsa_dbo import LOGGER_NAME
 
-    logger = init_logger(LOGGER_NAME)
+    init_logger(LOGGER_NAME).warning("vllm-dsa-dbo: patch %s left unapplied: %s", name, reason)
+
+
+def apply_all(names: tuple[str, ...] = PATCH_MODULES) -> set[str]:
+    """Apply every patch of `names` `wire` allows, once per process; returns those in force
+    now (a model package's module not imported yet is patched when vLLM imports it).
+
+    Each patch left unapplied gets one warning naming why: the models that
+    need it are then refused at load, never corrupted.
+    """
     applied = set()
     for name, reason in wire(apply=True, names=names).items():
         if reason is None:
             applied.add(name)
         else:
-            logger.warning("vllm-dsa-dbo: patch %s left unapplied: %s", name, reason)
+            _warn_unapplied(name, reason)
     return applied

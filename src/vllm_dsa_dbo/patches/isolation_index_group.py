@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 from types import ModuleType
 from typing import Any
 
@@ -31,6 +32,7 @@ def apply(target: ModuleType) -> None:
     group_cls = target.SparseMLAIndexGroup
     stock_convert = group_cls._convert_once
 
+    @functools.wraps(stock_convert)
     def _convert_once(
         self: Any, layer_index: int, logical_topk_indices: Any, *args: Any, **kwargs: Any
     ) -> Any:

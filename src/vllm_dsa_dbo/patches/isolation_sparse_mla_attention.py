@@ -3,6 +3,7 @@ isolation checker (`VLLM_DSA_DBO_CHECK`)."""
 
 from __future__ import annotations
 
+import functools
 from types import ModuleType
 from typing import Any
 
@@ -36,6 +37,7 @@ def apply(target: ModuleType) -> None:
     impl_cls = target.SparseMLACommonImpl
     stock_record = impl_cls.record_logical_topk_ready
 
+    @functools.wraps(stock_record)
     def record_logical_topk_ready(self: Any) -> None:
         stock_record(self)
         if is_dynamo_compiling():  # traced once, not a run-time write
@@ -51,6 +53,7 @@ def apply(target: ModuleType) -> None:
     mixin = target.SharedTopkIndicesBuffer
     stock_buffer = mixin.topk_indices_buffer
 
+    @functools.wraps(stock_buffer.fget)
     def topk_indices_buffer(self: Any) -> Any:
         buffer = stock_buffer.fget(self)
         group = getattr(self, "index_group", None)
