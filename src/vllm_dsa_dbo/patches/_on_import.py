@@ -19,6 +19,8 @@ class _Loader(importlib.abc.Loader):
         self._finder = finder
 
     def __getattr__(self, name: str) -> Any:
+        if name in ("_loader", "_finder"):  # not set yet: a copy made without __init__
+            raise AttributeError(name)
         return getattr(self._loader, name)
 
     def create_module(self, spec: Any) -> ModuleType | None:
