@@ -77,8 +77,8 @@ MUTATIONS = {
     ),
     "model modules imported at registration": (
         "patches/__init__.py",
-        "target_name.startswith(MODEL_PACKAGES) and",
-        "False and",
+        "        if apply and target_name.startswith(MODEL_PACKAGES):\n",
+        "        if False:\n",
         MODEL_MODULES_TEST,
     ),
     "a model module imported later is never patched": (

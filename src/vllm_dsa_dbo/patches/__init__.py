@@ -140,15 +140,16 @@ def wire(apply: bool, names: tuple[str, ...] = PATCH_MODULES) -> dict[str, str |
     A patch is left unapplied when its target does not import, its check
     finds vLLM different, applying it raises, or a patch it needs is left
     unapplied. `apply=False` only tells what applying would do. With
-    `apply=True`, a patch of a model package's module that is not imported yet
-    is left out: it is wired when vLLM imports that module.
+    `apply=True`, a patch of a model package's module is left out: it is wired
+    (and warns if left unapplied) at once if vLLM imported that module already,
+    else when it does.
     """
     result: dict[str, str | None] = {}
     known = _OUTCOMES if apply else result
     for module in patch_modules(names):
         name = short_name(module)
         target_name = module.PATCH.target
-        if apply and target_name.startswith(MODEL_PACKAGES) and target_name not in sys.modules:
+        if apply and target_name.startswith(MODEL_PACKAGES):
             on_first_import(target_name, functools.partial(_wire_imported, module))
             continue
         try:
@@ -215,7 +216,7 @@ def _warn_unapplied(name: str, reason: str) -> None:
 
 def apply_all(names: tuple[str, ...] = PATCH_MODULES) -> set[str]:
     """Apply every patch of `names` `wire` allows, once per process; returns those in force
-    now (a model package's module not imported yet is patched when vLLM imports it).
+    outside model packages (a model package's module is patched as vLLM imports it).
 
     Each patch left unapplied gets one warning naming why: the models that
     need it are then refused at load, never corrupted.
