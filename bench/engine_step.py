@@ -73,14 +73,24 @@ def busiest_host_op(profile: dict) -> dict | None:
     }
 
 
-def fix_host_share(measured: dict) -> float | None:
+def fix_host_share(measured: dict) -> dict | None:
     """The product's own Python time in the frame-timed forward, as a share of the
-    worker's median untimed forward; None where a run did not time its frames (before
-    the frame timer, the torch profiler's Python tracer missed the microbatch threads)."""
+    worker's median untimed forward: as read (an upper bound: the timer's hook runs in
+    the frames it times) and with the hook's calibrated cost taken off (runs before the
+    calibration have only the first); None where a run did not time its frames."""
     frames = measured.get("fix_frames")
     if frames is None:
         return None
-    return frames["self_us"] / (1e6 * statistics.median(measured["seconds"]))
+    forward_us = 1e6 * statistics.median(measured["seconds"])
+    corrected = frames.get("corrected_self_us")
+    return {
+        "read": frames["self_us"] / forward_us,
+        "corrected": None if corrected is None else corrected / forward_us,
+    }
+
+
+def percent(share: float | None) -> str:
+    return "-" if share is None else f"{100 * share:.3f} %"
 
 
 def summary(run: dict) -> dict:
@@ -207,12 +217,14 @@ def main(argv: list[str] | None = None) -> int:
     if timed:
         print(
             "\n| mode | arm | the product's own Python time in the frame-timed forward, share of "
-            "a median forward (frames, µs), per worker |"
+            "a median forward, as read (an upper bound) and, in brackets, with the hook's cost "
+            "taken off (frames, µs as read), per worker |"
         )
         print("|---|---|---|")
         for mode, arm, row in timed:
             cells = (
-                f"{100 * share:.3f} % ({f['calls']}, {f['self_us']:.0f})"
+                f"{percent(share['read'])} [{percent(share['corrected'])}] "
+                f"({f['calls']}, {f['self_us']:.0f})"
                 for share, f in zip(row["fix_host_share"], row["fix_frames"])
             )
             print(f"| {mode} | {arm} | {' / '.join(cells)} |")

@@ -26,6 +26,7 @@ import time
 import warnings
 from collections import Counter
 from contextlib import contextmanager
+from types import CodeType
 
 ENABLE_ENV = "VLLM_DSA_DBO_HARNESS"
 # "0": lift no vLLM check and inject no yield (DeepEP runs).
@@ -37,6 +38,8 @@ SWITCH_INTERVAL_ENV = "VLLM_DSA_DBO_HARNESS_SWITCH_INTERVAL"
 PROFILED_FORWARD = 20
 # Host operators of the profiled forward kept, by time of their own.
 HOST_OPS = 25
+# The product's functions of the frame-timed forward kept, by self time.
+BUSIEST_FRAMES = 12
 LOG_EVERY = 50
 
 # Per process, read back through collective_rpc: microbatched forwards by kind,
@@ -182,11 +185,16 @@ def _measured(call):
         with timer.installed():
             out = call()
             torch.cuda.synchronize()
+        wall_s = time.perf_counter() - start
+        costs = hook_costs()
         MEASURED["fix_frames"] = {
             "forward": index,
             "calls": timer.calls,
             "self_us": timer.self_s * 1e6,
-            "timed_wall_us": (time.perf_counter() - start) * 1e6,
+            "corrected_self_us": timer.corrected_s(costs) * 1e6,
+            "hook_costs_us": {k: v * 1e6 for k, v in costs.items()},
+            "timed_wall_us": wall_s * 1e6,
+            "busiest": timer.busiest(BUSIEST_FRAMES),
         }
         return out
     start = time.perf_counter()
@@ -250,32 +258,76 @@ class FrameTimer:
     started around the forward would have; torch's Python tracer never sees
     them, so a profile hook does the timing. C calls count to the frame making
     them, Python calls to the callee. The hook's own cost falls partly into the
-    frames it times: the figure is an upper bound.
+    frames it times, so `self_s` is an upper bound; `corrected_s` takes off what
+    the hook adds per frame, per C call and per Python call (`hook_costs`).
     """
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
-        self.calls = 0
-        self.self_s = 0.0
+        # Per code object timed: [calls, self seconds, C calls, Python calls].
+        self.functions: dict[CodeType, list] = {}
         self._lock = threading.Lock()
         self._stacks = threading.local()
 
     def __call__(self, frame, event: str, arg) -> None:
         now = time.perf_counter()
+        stack = self._stacks.__dict__.setdefault("frames", [])
         if event == "call":
-            stack = self._stacks.__dict__.setdefault("frames", [])
-            stack.append([now, 0.0, frame.f_code.co_filename.startswith(self.directory)])
+            if stack and stack[-1][2] is not None:
+                stack[-1][4] += 1
+            code = frame.f_code
+            ours = code.co_filename.startswith(self.directory)
+            stack.append([now, 0.0, code if ours else None, 0, 0])
             return
-        stack = self._stacks.__dict__.get("frames")
+        if event == "c_call":
+            if stack and stack[-1][2] is not None:
+                stack[-1][3] += 1
+            return
         if event != "return" or not stack:
             return
-        start, children, ours = stack.pop()
+        start, children, code, c_calls, py_calls = stack.pop()
         if stack:
             stack[-1][1] += now - start
-        if ours:
+        if code is not None:
             with self._lock:
-                self.calls += 1
-                self.self_s += now - start - children
+                tally = self.functions.setdefault(code, [0, 0.0, 0, 0])
+                tally[0] += 1
+                tally[1] += now - start - children
+                tally[2] += c_calls
+                tally[3] += py_calls
+
+    def total(self, field: int) -> float:
+        return sum(tally[field] for tally in self.functions.values())
+
+    @property
+    def calls(self) -> int:
+        return self.total(0)
+
+    @property
+    def self_s(self) -> float:
+        return self.total(1)
+
+    def corrected_s(self, costs: dict[str, float]) -> float:
+        return (
+            self.self_s
+            - self.calls * costs["frame"]
+            - self.total(2) * costs["c_call"]
+            - self.total(3) * costs["py_call"]
+        )
+
+    def busiest(self, n: int) -> list[dict]:
+        """The `n` functions with the most self time."""
+        rows = sorted(self.functions.items(), key=lambda item: -item[1][1])[:n]
+        return [
+            {
+                "function": f"{os.path.basename(code.co_filename)}:{code.co_qualname}",
+                "calls": calls,
+                "self_us": self_s * 1e6,
+                "c_calls": c_calls,
+                "py_calls": py_calls,
+            }
+            for code, (calls, self_s, c_calls, py_calls) in rows
+        ]
 
     @contextmanager
     def installed(self):
@@ -286,6 +338,34 @@ class FrameTimer:
         finally:
             sys.setprofile(None)
             threading.setprofile(None)
+
+
+_CALIBRATION_FILE = "<frame-timer-calibration>"
+_CALIBRATION = compile(
+    "def frame():\n    pass\ndef c_call():\n    len(())\ndef py_call():\n    callee()\n",
+    _CALIBRATION_FILE,
+    "exec",
+)
+
+
+def hook_costs(repeats: int = 20_000) -> dict[str, float]:
+    """Seconds a FrameTimer adds to the self time it reports, per frame and per
+    C or Python call a frame makes: its readings of frames that do only that.
+    Subtracting them also takes off the calls' own few tens of ns."""
+    namespace = {"callee": lambda: None}
+    exec(_CALIBRATION, namespace)
+    read = {}
+    for name in ("frame", "c_call", "py_call"):
+        timer, fn = FrameTimer(_CALIBRATION_FILE), namespace[name]
+        with timer.installed():
+            for _ in range(repeats):
+                fn()
+        read[name] = timer.self_s / repeats
+    return {
+        "frame": read["frame"],
+        "c_call": read["c_call"] - read["frame"],
+        "py_call": read["py_call"] - read["frame"],
+    }
 
 
 def _all_threads_config():
