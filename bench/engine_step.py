@@ -86,7 +86,23 @@ def fix_host_share(measured: dict) -> dict | None:
     return {
         "read": frames["self_us"] / forward_us,
         "corrected": None if corrected is None else corrected / forward_us,
+        "calls": frames["calls"],
+        "self_us": frames["self_us"],
+        "busiest": frames.get("busiest", []),
     }
+
+
+def host_shares(runs: Path) -> dict[str, list[dict]]:
+    """Per frame-timed run in `runs`, by name: `fix_host_share` of each worker."""
+    shares = {}
+    for path in sorted(runs.glob("*.json")):
+        run = json.loads(path.read_text())
+        if "ranks" not in run:
+            continue
+        per_worker = [fix_host_share(w["measured"]) for w in workers(run)]
+        if None not in per_worker:
+            shares[path.stem] = per_worker
+    return shares
 
 
 def percent(share: float | None) -> str:
@@ -108,8 +124,6 @@ def summary(run: dict) -> dict:
         "cuda_kernels": [p["cuda_kernels"] for p in profiles],
         "sync_warnings": [p["sync_warnings"] for p in profiles],
         "busiest_host_op": [busiest_host_op(p) for p in profiles],
-        "fix_host_share": [fix_host_share(w["measured"]) for w in workers(run)],
-        "fix_frames": [w["measured"].get("fix_frames") for w in workers(run)],
         "kernels_by_name": [p["kernels_by_name"] for p in profiles],
     }
 
@@ -149,21 +163,8 @@ def load(runs: Path, names: tuple[str, str]) -> tuple[dict, dict] | None:
     return tuple(json.loads(p.read_text()) for p in paths)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("runs", type=Path)
-    parser.add_argument("--json", type=Path)
-    args = parser.parse_args(argv)
-    pairs, agreement = {}, {}
-    for mode, first, second in CONFIGS:
-        loaded = [load(args.runs, names) for names in (first, second)]
-        for label, runs in zip((mode, f"{mode}, repeat"), loaded):
-            if runs is not None:
-                pairs[label] = compare(*runs)
-        if None not in loaded:
-            agreement[mode] = repeats(*loaded)
+def print_pairs(pairs: dict) -> None:
+    """The stock-vs-fix timing table."""
     print(
         "| mode | forwards timed (stock / fix) | median ms (stock / fix) | median ratio "
         "| p10 ms (stock / fix) | p10 ratio | min ms (stock / fix) "
@@ -181,6 +182,25 @@ def main(argv: list[str] | None = None) -> int:
             f"{f['cuda_kernels']} | {row['same_kernels']} "
             f"| {s['sync_warnings']} / {f['sync_warnings']} |"
         )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("runs", type=Path)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    pairs, agreement = {}, {}
+    for mode, first, second in CONFIGS:
+        loaded = [load(args.runs, names) for names in (first, second)]
+        for label, runs in zip((mode, f"{mode}, repeat"), loaded):
+            if runs is not None:
+                pairs[label] = compare(*runs)
+        if None not in loaded:
+            agreement[mode] = repeats(*loaded)
+    if pairs:
+        print_pairs(pairs)
     if agreement:
         print(
             "\n| mode | stock repeat / stock | fix repeat / fix | fix / stock, both runs pooled |"
@@ -208,28 +228,41 @@ def main(argv: list[str] | None = None) -> int:
             own = " / ".join(f"{op['self_ms']:.1f}" for op in ops)
             listed = " / ".join(f"{op['listed_ops_self_ms']:.1f}" for op in ops)
             print(f"| {mode} | {arm} | {names} | {own} | {listed} |")
-    timed = [
-        (mode, arm, row[arm])
-        for mode, row in pairs.items()
-        for arm in ("stock", "fix")
-        if None not in row[arm]["fix_host_share"]
-    ]
-    if timed:
+    shares = host_shares(args.runs)
+    if shares:
         print(
-            "\n| mode | arm | the product's own Python time in the frame-timed forward, share of "
-            "a median forward, as read (an upper bound) and, in brackets, with the hook's cost "
+            "\n| run | the product's own Python time in the frame-timed forward, share of a "
+            "median forward, as read (an upper bound) and, in brackets, with the hook's cost "
             "taken off (frames, µs as read), per worker |"
         )
-        print("|---|---|---|")
-        for mode, arm, row in timed:
+        print("|---|---|")
+        for name, per_worker in shares.items():
             cells = (
-                f"{percent(share['read'])} [{percent(share['corrected'])}] "
-                f"({f['calls']}, {f['self_us']:.0f})"
-                for share, f in zip(row["fix_host_share"], row["fix_frames"])
+                f"{percent(w['read'])} [{percent(w['corrected'])}] ({w['calls']}, "
+                f"{w['self_us']:.0f})"
+                for w in per_worker
             )
-            print(f"| {mode} | {arm} | {' / '.join(cells)} |")
+            print(f"| {name} | {' / '.join(cells)} |")
+    listed = {name: w[0]["busiest"] for name, w in shares.items() if w[0]["busiest"]}
+    if listed:
+        print(
+            "\n| run | the product's functions in the frame-timed forward of worker 0: calls "
+            "(C calls, Python calls they make), µs as read |"
+        )
+        print("|---|---|")
+        for name, busiest in listed.items():
+            functions = (
+                f"`{f['function']}` {f['calls']} ({f['c_calls']}, {f['py_calls']}), "
+                f"{f['self_us']:.0f}"
+                for f in busiest
+            )
+            print(f"| {name} | {'; '.join(functions)} |")
     if args.json:
-        args.json.write_text(json.dumps({"pairs": pairs, "repeat_agreement": agreement}, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {"pairs": pairs, "repeat_agreement": agreement, "host_shares": shares}, indent=1
+            )
+        )
     return 0
 
 
