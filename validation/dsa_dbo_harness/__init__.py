@@ -296,23 +296,23 @@ class FrameTimer:
                 tally[2] += c_calls
                 tally[3] += py_calls
 
-    def total(self, field: int) -> float:
+    def _total(self, field: int) -> float:
         return sum(tally[field] for tally in self.functions.values())
 
     @property
     def calls(self) -> int:
-        return self.total(0)
+        return self._total(0)
 
     @property
     def self_s(self) -> float:
-        return self.total(1)
+        return self._total(1)
 
     def corrected_s(self, costs: dict[str, float]) -> float:
         return (
             self.self_s
             - self.calls * costs["frame"]
-            - self.total(2) * costs["c_call"]
-            - self.total(3) * costs["py_call"]
+            - self._total(2) * costs["c_call"]
+            - self._total(3) * costs["py_call"]
         )
 
     def busiest(self, n: int) -> list[dict]:
