@@ -184,6 +184,14 @@ def print_pairs(pairs: dict) -> None:
         )
 
 
+def print_runs(column: str, cells: dict[str, str]) -> None:
+    """A two-column table: one cell per run."""
+    print(f"\n| run | {column} |")
+    print("|---|---|")
+    for name, cell in cells.items():
+        print(f"| {name} | {cell} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -230,33 +238,33 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {mode} | {arm} | {names} | {own} | {listed} |")
     shares = host_shares(args.runs)
     if shares:
-        print(
-            "\n| run | the product's own Python time in the frame-timed forward, share of a "
-            "median forward, as read (an upper bound) and, in brackets, with the hook's cost "
-            "taken off (frames, µs as read), per worker |"
+        print_runs(
+            "the product's own Python time in the frame-timed forward, share of a median "
+            "forward, as read (an upper bound) and, in brackets, with the hook's cost taken off "
+            "(frames, µs as read), per worker",
+            {
+                name: " / ".join(
+                    f"{percent(w['read'])} [{percent(w['corrected'])}] "
+                    f"({w['calls']}, {w['self_us']:.0f})"
+                    for w in per_worker
+                )
+                for name, per_worker in shares.items()
+            },
         )
-        print("|---|---|")
-        for name, per_worker in shares.items():
-            cells = (
-                f"{percent(w['read'])} [{percent(w['corrected'])}] ({w['calls']}, "
-                f"{w['self_us']:.0f})"
-                for w in per_worker
-            )
-            print(f"| {name} | {' / '.join(cells)} |")
     listed = {name: w[0]["busiest"] for name, w in shares.items() if w[0]["busiest"]}
     if listed:
-        print(
-            "\n| run | the product's functions in the frame-timed forward of worker 0: calls "
-            "(C calls, Python calls they make), µs as read |"
+        print_runs(
+            "the product's functions in the frame-timed forward of worker 0: calls "
+            "(C calls, Python calls they make), µs as read",
+            {
+                name: "; ".join(
+                    f"`{f['function']}` {f['calls']} ({f['c_calls']}, {f['py_calls']}), "
+                    f"{f['self_us']:.0f}"
+                    for f in busiest
+                )
+                for name, busiest in listed.items()
+            },
         )
-        print("|---|---|")
-        for name, busiest in listed.items():
-            functions = (
-                f"`{f['function']}` {f['calls']} ({f['c_calls']}, {f['py_calls']}), "
-                f"{f['self_us']:.0f}"
-                for f in busiest
-            )
-            print(f"| {name} | {'; '.join(functions)} |")
     if args.json:
         args.json.write_text(
             json.dumps(
