@@ -171,10 +171,10 @@ def _outcome(module: ModuleType, target: ModuleType, known: dict, apply: bool) -
     """Why `module`'s patch of `target` is left unapplied, None if in force, or _IRRELEVANT."""
     name = short_name(module)
     requires = getattr(module, "REQUIRES", ())
-    for required in requires:  # one whose module vLLM has not imported yet is wired first
-        required_target = importlib.import_module(f"{__name__}.{required}").PATCH.target
-        if required not in known and is_pending(required_target):
-            importlib.import_module(required_target)
+    for required, patch in zip(requires, patch_modules(requires)):
+        # One whose module vLLM has not imported yet is wired first.
+        if required not in known and is_pending(patch.PATCH.target):
+            importlib.import_module(patch.PATCH.target)
     if any(r not in known for r in requires):
         return _IRRELEVANT
     in_force = applied(target)
