@@ -38,6 +38,8 @@ def current_ubatch_id() -> int:
     `dbo_current_ubatch_id()` raises KeyError for a thread that is not a
     microbatch thread while microbatches run; a state lookup must not.
     """
+    if not _UBATCH_ID_OF_THREAD:  # no microbatch running: skip the thread lookup
+        return 0
     return _UBATCH_ID_OF_THREAD.get(threading.get_ident(), 0)
 
 
