@@ -36,18 +36,22 @@ def task_texts(task_dir: Path) -> list[str]:
     return texts
 
 
-def write_tokenizer(directory: Path, texts: Iterable[str]) -> Path:
-    """tokenizer.json + tokenizer_config.json with exactly the model's vocab_size ids."""
-    vocab_size = CONFIG["vocab_size"]
-    counts = Counter(piece for text in texts for piece in re.findall(PIECE, text))
+def write_tokenizer(
+    directory: Path,
+    texts: Iterable[str],
+    vocab_size: int = CONFIG["vocab_size"],
+    piece: str = PIECE,
+) -> Path:
+    """tokenizer.json + tokenizer_config.json with exactly `vocab_size` ids."""
+    counts = Counter(p for text in texts for p in re.findall(piece, text))
     pieces = [*SPECIAL.values(), *sorted(counts, key=lambda p: (-counts[p], p))]
     if len(pieces) > vocab_size:
         raise ValueError(f"{len(pieces)} distinct pieces do not fit a vocabulary of {vocab_size}")
     pieces += [f" w{i}" for i in range(vocab_size - len(pieces))]
     tokenizer = Tokenizer(
-        models.WordLevel({piece: i for i, piece in enumerate(pieces)}, SPECIAL["unk_token"])
+        models.WordLevel({p: i for i, p in enumerate(pieces)}, SPECIAL["unk_token"])
     )
-    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(PIECE), behavior="isolated")
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(piece), behavior="isolated")
     tokenizer.decoder = decoders.Fuse()
     tokenizer.add_special_tokens(list(SPECIAL.values()))
     directory.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,74 @@
+"""A GSM8K-format task a tiny model answers only by attending across its prompt.
+
+Each question lists 30-60 people with a number of coins each (hundreds of
+tokens) and asks for one of them; the answer repeats that fact and ends
+`#### N`, so lm_eval's GSM8K filters score it. Every value comes from a fact
+stated once, far back in the prompt: a layer that attends to the wrong tokens
+loses it.
+
+    python -m dsa_dbo_harness.lookup_task validation/kv_lookup   # test.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+CONSONANTS, VOWELS = "bdfgklmnprstvz", "aeiou"
+# Seeds of the two streams: training never sees the held-out questions' generator.
+TRAIN_SEED, TEST_SEED = 0, 1
+TEST_SIZE = 500
+TEST_FACTS = (30, 60)
+# Training also shows short lists: retrieval is learnt there first, in far fewer steps.
+TRAIN_FACTS = (2, 60)
+
+
+def names(count: int = 120) -> list[str]:
+    """Two-syllable names, each one word of the task's tokenizer."""
+    rng = random.Random("names")
+    letters = itertools.product(CONSONANTS.upper(), VOWELS, CONSONANTS, VOWELS)
+    pool = ["".join(name) for name in letters]
+    return sorted(rng.sample(pool, count))
+
+
+NAMES = names()
+VALUES = range(10, 100)
+
+
+def make_doc(rng: random.Random, facts: tuple[int, int] = TEST_FACTS) -> dict:
+    people = rng.sample(NAMES, rng.randint(*facts))
+    coins = {name: rng.choice(VALUES) for name in people}
+    target = rng.choice(people)
+    facts = " ".join(f"{name} has {coins[name]} coins." for name in people)
+    return {
+        "question": f"{facts} How many coins does {target} have?",
+        "answer": f"{target} has {coins[target]} coins.\n#### {coins[target]}",
+    }
+
+
+def docs(seed: int, facts: tuple[int, int]) -> Iterator[dict]:
+    rng = random.Random(seed)
+    while True:
+        yield make_doc(rng, facts)
+
+
+def held_out() -> list[dict]:
+    stream = docs(TEST_SEED, TEST_FACTS)
+    return [next(stream) for _ in range(TEST_SIZE)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("directory", type=Path)
+    directory = parser.parse_args().directory
+    directory.mkdir(parents=True, exist_ok=True)
+    lines = (json.dumps(doc) for doc in held_out())
+    (directory / "test.jsonl").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,249 @@
+"""A GLM-5-shaped checkpoint that knows its answers, trained with transformers.
+
+    python -m dsa_dbo_harness.trained train validation/kv_lookup/model   # on a GPU
+    python -m dsa_dbo_harness.trained widen validation/kv_lookup/model /tmp/wide
+    python -m dsa_dbo_harness.trained answer MODEL OUT.jsonl [--limit N]
+
+`train` fits transformers' own `GlmMoeDsaForCausalLM` to the lookup task
+(`lookup_task.py`) and saves it, with its word-level tokenizer, as an ordinary
+HF checkpoint. Layout: GLM-5's shared top-k schedule (`index_topk_freq=4`,
+`index_skip_topk_offset=3`: layers 0, 1, 2 and 6 lead, 3-5 follow 2 and 7
+follows 6), two dense layers, then six MoE layers of 8 experts (4 per rank
+over 2 expert-parallel ranks). Prompt plus answer stay under `index_topk`, so
+the indexer selects every earlier token: sparse attention is dense attention,
+and the indexer, which transformers runs without gradient, needs no training.
+
+The saved model has hidden size 64 so that it fits in the repository (about
+6 MB). DeepEP's low-latency kernels are built for hidden sizes 2048-8192
+only, so `widen` writes the same function at hidden size 2048: zero rows and
+columns for the new dimensions, and the hidden-size RMSNorm weights and eps
+rescaled so that every norm sees the same mean square.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+from pathlib import Path
+
+from dsa_dbo_harness.lookup_task import NAMES, TRAIN_FACTS, TRAIN_SEED, VALUES, docs, held_out
+from dsa_dbo_harness.serve import write_tokenizer
+
+# Words with their leading space, whole numbers, punctuation, whitespace.
+PIECE = r" ?[A-Za-z]+| ?[0-9]+| ?[^\sA-Za-z0-9]|\s"
+VOCAB_SIZE = 256
+ANSWER = re.compile(r"#### (\-?[0-9\.\,]+)")  # lm_eval's GSM8K strict-match filter
+
+CONFIG = {
+    "architectures": ["GlmMoeDsaForCausalLM"],
+    "model_type": "glm_moe_dsa",
+    "vocab_size": VOCAB_SIZE,
+    "hidden_size": 64,
+    "intermediate_size": 256,
+    "moe_intermediate_size": 64,
+    "num_hidden_layers": 8,
+    "first_k_dense_replace": 2,
+    "mlp_layer_types": ["dense"] * 2 + ["sparse"] * 6,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "q_lora_rank": 32,
+    "kv_lora_rank": 512,  # FlashMLA's 576-wide latent (with the 64 RoPE dims)
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 16,
+    "index_topk": 512,
+    "index_n_heads": 32,  # DeepGEMM's indexer kernels: 32 or 64 heads of 128
+    "index_head_dim": 128,
+    "index_topk_freq": 4,
+    "index_skip_topk_offset": 3,
+    "n_routed_experts": 8,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "n_group": 1,
+    "topk_group": 1,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5,
+    "rms_norm_eps": 1e-05,
+    "max_position_embeddings": 4096,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    "tie_word_embeddings": False,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "pad_token_id": 1,
+}
+WIDE_HIDDEN = 2048
+# transformers' defaults, named: the fastest GPU step in bench/train_step.py.
+IMPLEMENTATION = {"attn_implementation": "sdpa", "experts_implementation": "grouped_mm"}
+
+
+def prompt(doc: dict) -> str:
+    """lm_eval's GSM8K prompt (`doc_to_text`) for the task's yaml."""
+    return f"Question: {doc['question']}\nAnswer:"
+
+
+def write_lookup_tokenizer(directory: Path) -> None:
+    """Every name and value as one word; the test questions give the other words."""
+    texts = [f"{prompt(doc)} {doc['answer']}" for doc in held_out()[:20]]
+    texts.append(" ".join([*NAMES, *map(str, VALUES)]))
+    write_tokenizer(directory, texts, VOCAB_SIZE, PIECE)
+
+
+def batches(tokenizer, batch_size: int):
+    """Right-padded (input_ids, labels): the loss is on the answer and its eos only."""
+    import torch
+
+    stream = docs(TRAIN_SEED, TRAIN_FACTS)
+    eos = tokenizer.eos_token_id
+    while True:
+        rows = []
+        for doc in (next(stream) for _ in range(batch_size)):
+            head = tokenizer(prompt(doc), add_special_tokens=False)["input_ids"]
+            tail = tokenizer(" " + doc["answer"], add_special_tokens=False)["input_ids"] + [eos]
+            rows.append((head + tail, [-100] * len(head) + tail))
+        width = max(len(ids) for ids, _ in rows)
+        ids = torch.tensor([i + [eos] * (width - len(i)) for i, _ in rows])
+        labels = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in rows])
+        yield ids, labels
+
+
+def train(out: Path, steps: int, batch_size: int, lr: float) -> None:
+    import torch
+    from tqdm import tqdm
+    from transformers import AutoTokenizer, GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    write_lookup_tokenizer(out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    model = GlmMoeDsaForCausalLM._from_config(GlmMoeDsaConfig(**CONFIG), **IMPLEMENTATION)
+    model.to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    warmup = steps // 20
+
+    def schedule(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.1 + 0.45 * (1 + math.cos(math.pi * (step - warmup) / (steps - warmup)))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    model.train()
+    progress = tqdm(zip(range(steps), batches(tokenizer, batch_size)), total=steps)
+    for _, (ids, labels) in progress:
+        ids, labels = ids.to(device), labels.to(device)
+        logits = model(input_ids=ids).logits[:, :-1].float()
+        targets = labels[:, 1:]
+        loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        graded = targets != -100
+        correct = (logits.argmax(-1) == targets)[graded].float().mean()
+        progress.set_postfix(loss=f"{loss.item():.4f}", token_acc=f"{correct.item():.3f}")
+    model.to(torch.bfloat16).save_pretrained(out)
+
+
+def widen(src: Path, dst: Path, hidden: int = WIDE_HIDDEN) -> None:
+    """`src` at hidden size `hidden`, computing the same function."""
+    import shutil
+
+    import torch
+    from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+
+    small = GlmMoeDsaForCausalLM.from_pretrained(src, dtype=torch.float32)
+    narrow = small.config.hidden_size
+    ratio = narrow / hidden
+    settings = {**json.loads((src / "config.json").read_text()), "hidden_size": hidden}
+    settings["rms_norm_eps"] = small.config.rms_norm_eps * ratio
+    wide = GlmMoeDsaForCausalLM(GlmMoeDsaConfig(**settings))
+    state = wide.state_dict()
+    with torch.no_grad():
+        for name, value in small.state_dict().items():
+            target = torch.zeros_like(state[name])
+            if value.shape != target.shape and value.dim() == 1:
+                value = value * math.sqrt(ratio)  # an RMSNorm over the hidden size
+            target[tuple(slice(0, n) for n in value.shape)] = value
+            state[name] = target
+    wide.load_state_dict(state)
+    wide.to(torch.bfloat16).save_pretrained(dst)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / name, dst / name)
+
+
+def answer(model_dir: Path, questions: list[dict], batch_size: int = 100) -> list[str]:
+    """Greedy completions of the task's prompts by transformers."""
+    import torch
+    from transformers import AutoTokenizer, GlmMoeDsaForCausalLM
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+    tokenizer.pad_token = tokenizer.eos_token
+    model = GlmMoeDsaForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **IMPLEMENTATION)
+    model.to(device)
+    model.eval()
+    texts = []
+    for start in range(0, len(questions), batch_size):
+        chunk = [prompt(doc) for doc in questions[start : start + batch_size]]
+        batch = tokenizer(chunk, return_tensors="pt", padding=True, add_special_tokens=False)
+        with torch.no_grad():
+            out = model.generate(
+                **batch.to(device),
+                max_new_tokens=16,
+                do_sample=False,
+                pad_token_id=tokenizer.eos_token_id,
+            )
+        width = batch["input_ids"].shape[1]
+        texts += tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+    return texts
+
+
+def exact_match(completion: str, doc: dict) -> bool:
+    """lm_eval's strict-match: the first `#### N` equals the reference's."""
+    got, want = ANSWER.search(completion), ANSWER.search(doc["answer"])
+    return bool(got) and got.group(1) == want.group(1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    verbs = parser.add_subparsers(dest="verb", required=True)
+    p = verbs.add_parser("train")
+    p.add_argument("out", type=Path)
+    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p = verbs.add_parser("widen")
+    p.add_argument("src", type=Path)
+    p.add_argument("dst", type=Path)
+    p = verbs.add_parser("answer")
+    p.add_argument("model", type=Path)
+    p.add_argument("out", type=Path)
+    p.add_argument("--limit", type=int, default=None)
+    args = parser.parse_args()
+    if args.verb == "train":
+        train(args.out, args.steps, args.batch_size, args.lr)
+    elif args.verb == "widen":
+        widen(args.src, args.dst)
+    else:
+        questions = held_out()[: args.limit]
+        completions = answer(args.model, questions)
+        rows = [
+            {"doc_id": i, "completion": c, "exact_match": exact_match(c, doc)}
+            for i, (c, doc) in enumerate(zip(completions, questions))
+        ]
+        args.out.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        score = sum(row["exact_match"] for row in rows) / len(rows)
+        print(f"exact_match {score:.4f} over {len(rows)} questions")
+
+
+if __name__ == "__main__":
+    main()
