@@ -106,8 +106,10 @@ CHECKER = """
             {"VLLM_DSA_DBO_DISABLE": "maybe"},
             True,
             None,
-            "VLLM_DSA_DBO_DISABLE='maybe' is not understood: set 1, true, yes or on to turn the "
-            "fix off, or unset it (0, false, no, off or none also mean off). The fix is applied.",
+            "VLLM_DSA_DBO_DISABLE='maybe' is not understood: set 1, true, yes, on or stock to "
+            "turn the fix off and refuse what it would fix (stock: run vLLM's stock, corrupted "
+            "behaviour for A/B runs), or unset it (0, false, no, off or none also mean off). "
+            "The fix is applied.",
         ),
         ({"VLLM_DSA_DBO_CHECK": "off", "VLLM_DSA_DBO_DISABLE": "0"}, True, None, None),
         ({"VLLM_DSA_DBO_CHECK": "Audit", "VLLM_DSA_DBO_DISABLE": "yes"}, False, "audit", None),
