@@ -213,8 +213,9 @@ def test_hisparse_under_dbo_is_refused_at_load_whatever_the_layout(vllm_env):
     not. Through vLLM's MLAAttention.update_kv_cache and HiSparseCacheHandle; the
     runtime (compiled kernels only) and the KV write kernel are stand-ins."""
     from vllm.model_executor.layers.attention.mla_attention import MLAAttention
-    from vllm.model_executor.model_loader import utils
     from vllm.v1.hisparse.runtime import HiSparseCacheHandle
+
+    from vllm_dsa_dbo.patches.base_loader import checked_build
 
     runtime = SimpleNamespace(
         kv_dtype=torch.bfloat16,
@@ -265,10 +266,10 @@ def test_hisparse_under_dbo_is_refused_at_load_whatever_the_layout(vllm_env):
     )
     assert written[0].tolist() == batch_slots[:6].tolist()  # microbatch 0's slots
 
+    parallel = SimpleNamespace(enable_dbo=True, use_ubatching=True, num_ubatches=2)
     dbo = SimpleNamespace(
-        model_config=SimpleNamespace(hf_text_config=SimpleNamespace()),
-        attention_config=SimpleNamespace(hisparse_config=object()),
-        parallel_config=SimpleNamespace(enable_dbo=True, ubatch_size=0),
+        attention_config=SimpleNamespace(hisparse_config=object()), parallel_config=parallel
     )
+    build = checked_build(lambda vllm_config: torch.nn.Linear(1, 1))  # a model of no DSA layers
     with pytest.raises(ValueError, match="HiSparse cannot run with dual batch overlap, whatever"):
-        utils.initialize_model(vllm_config=dbo)
+        build(vllm_config=dbo)

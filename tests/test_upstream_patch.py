@@ -112,10 +112,7 @@ def test_plugin_in_a_patched_tree_retires_only_what_the_tree_carries(tmp_path):
     index_group unapplied: their paths' builders get one microbatch and are refused."""
     tree = small_tree(tmp_path, link=True)
     assert main(["upstream-patch", str(tree)]) == 0
-    env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith("VLLM_")},
-        "PYTHONPATH": str(tree),
-    }
+    env = {k: v for k, v in upstream_tree.tree_env(tree).items() if not k.startswith("VLLM_")}
 
     def run(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run(
