@@ -351,8 +351,8 @@ MUTATIONS = {
     ),
     "patches applied without the patches they need": (
         "patches/__init__.py",
-        "    missing = [r for r in requires if known[r] is not None]\n",
-        "    missing = []\n",
+        '    needs = [f"{r}, left unapplied" for r in requires if known[r] is not None]\n',
+        "    needs = []\n",
         "tests/test_patch_rocm_dsa.py::"
         "test_rocm_patches_skipped_off_rocm_when_their_module_cannot_import",
     ),

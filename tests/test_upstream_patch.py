@@ -136,7 +136,10 @@ def test_plugin_in_a_patched_tree_retires_only_what_the_tree_carries(tmp_path):
     assert "SparseMLAIndexGroupBuilder takes num_ubatches, default 1" in out
     assert "this vLLM carries index_group, sparse_mla_attention, deepseek_v32_attention" in out
     assert "the plugin applies " in out and "base_loader, tensorizer" in out
-    assert "LEFT UNAPPLIED here: needs index_group, left unapplied (this vLLM carries it" in out
+    assert (
+        "LEFT UNAPPLIED here: needs the plugin's index_group, which this vLLM carries in its "
+        "own form" in out
+    )
 
 
 def test_inserted_code_is_the_core_and_the_model_passes_the_microbatch_count(tmp_path):

@@ -188,14 +188,16 @@ def _outcome(module: ModuleType, target: ModuleType, known: dict, apply: bool) -
     in_force = applied(target)
     if name in in_force:
         return None
-    missing = [r for r in requires if known[r] is not None]
+    needs = [f"{r}, left unapplied" for r in requires if known[r] is not None]
     # vLLM's own form of a patch is not the one the patches needing it were written against.
-    missing += [r for r in requires if r in CARRIED]
+    needs += [
+        f"the plugin's {r}, which this vLLM carries in its own form"
+        for r in requires
+        if r in CARRIED
+    ]
     try:
-        if missing:
-            reason = f"needs {', '.join(missing)}, left unapplied"
-            if any(r in CARRIED for r in missing):
-                reason += " (this vLLM carries it in its own form)"
+        if needs:
+            reason = "needs " + "; ".join(needs)
         else:
             reason = module.check(target) if hasattr(module, "check") else None
         if reason is None and apply:
