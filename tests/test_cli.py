@@ -128,7 +128,7 @@ def test_status_shows_the_env_switches_spelled_off():
         (
             {"VLLM_DSA_DBO_DISABLE": "maybe"},
             "VLLM_DSA_DBO_DISABLE='maybe' is not understood: "
-            "set 1, true, yes or on to turn the fix off",
+            "set 1, true, yes, on or stock to turn the fix off",
         ),
     ],
     ids=["check-bogus", "disable-maybe"],

@@ -358,9 +358,8 @@ MUTATIONS = {
     ),
     "groups built for fewer microbatches than the run not refused": (
         "diagnostics/refusals.py",
-        '    return getattr(group, "num_ubatches", 1) < num_ubatches or '
-        "shares_topk_across_ubatches(group)\n",
-        '    return not hasattr(group, "num_ubatches") or shares_topk_across_ubatches(group)\n',
+        '    if getattr(group, "num_ubatches", 1) < num_ubatches:\n',
+        '    if not hasattr(group, "num_ubatches"):\n',
         "tests/test_live_checks.py::"
         "test_groups_built_for_fewer_microbatches_than_the_run_are_refused",
     ),

@@ -97,6 +97,6 @@ def check_wired(model: Any, num_ubatches: int = 1) -> None:
 def left_shared(group: Any, num_ubatches: int) -> bool:
     """`shares_topk_across_ubatches`, also for a group built for fewer microbatches than the
     run has (vLLM's own, index_group unapplied, or a builder given a smaller count)."""
-    if num_ubatches < 2 or not reads_another_layers_topk(group):
-        return False
-    return getattr(group, "num_ubatches", 1) < num_ubatches or shares_topk_across_ubatches(group)
+    if getattr(group, "num_ubatches", 1) < num_ubatches:
+        return reads_another_layers_topk(group)
+    return hasattr(group, "ubatch_topk_states") and shares_topk_across_ubatches(group)
