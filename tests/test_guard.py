@@ -195,7 +195,7 @@ def test_off_switch_keeps_the_refusals_and_stock_is_explicit(tmp_path, env, buil
         assert "WARNING:vllm.dsa_dbo:vllm-dsa-dbo: VLLM_DSA_DBO_DISABLE=stock" in log
         assert "OUTPUTS WILL BE CORRUPTED" in log
     else:
-        refusal = next(line for line in out.splitlines() if line.startswith("REFUSED"))
+        [refusal] = [line for line in out.splitlines() if line.startswith("REFUSED")] or [out]
         assert refusal.startswith(f"REFUSED {shared} True")
         assert "turned off by VLLM_DSA_DBO_DISABLE, which keeps its refusals" in refusal
         assert "VLLM_DSA_DBO_DISABLE=stock runs stock vLLM" in refusal
