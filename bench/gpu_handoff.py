@@ -3,7 +3,7 @@ and allocates exactly the formula's bytes at GLM-5.3 geometry.
 
     python bench/gpu_handoff.py [--json OUT.json]
 
-Runs itself twice in subprocesses, stock vLLM (VLLM_DSA_DBO_DISABLE=1) and
+Runs itself twice in subprocesses, stock vLLM (VLLM_DSA_DBO_DISABLE=stock) and
 with the fix. Each runs one DBO step (leader 0, leader 1, then followers)
 through vLLM's real index groups, sparse MLA impls, microbatch threads, CUDA
 streams and events and the Triton conversion kernel, for GLM-5's 8-layer
@@ -117,11 +117,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_phases(script: str, json_path: str | None, extra: tuple[str, ...] = ()) -> int:
-    """Run `script --phase` stock (VLLM_DSA_DBO_DISABLE=1), then fixed, each in
+    """Run `script --phase` stock (VLLM_DSA_DBO_DISABLE=stock), then fixed, each in
     its own interpreter with `extra` arguments; print their RESULT lines as one
     record, saved to `json_path`."""
     results = {}
-    for phase, disable in (("stock", "1"), ("fixed", "")):
+    for phase, disable in (("stock", "stock"), ("fixed", "")):
         env = {**os.environ, "VLLM_DSA_DBO_DISABLE": disable}
         out = subprocess.run(
             [sys.executable, script, "--phase", phase, *extra],

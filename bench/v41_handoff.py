@@ -3,7 +3,7 @@ stock vLLM against the fix, bit for bit.
 
     python bench/v41_handoff.py [--json OUT.json]
 
-Runs itself twice in subprocesses, stock vLLM (VLLM_DSA_DBO_DISABLE=1) and
+Runs itself twice in subprocesses, stock vLLM (VLLM_DSA_DBO_DISABLE=stock) and
 with the fix. Each builds vLLM's CUDA `DeepseekV4Model` (its own __init__,
 the decoder layers reduced to their attention state as in
 tests/test_patch_deepseek_v41.py: vLLM's `DeepseekV4Indexer` and `SparseAttnIndexer`

@@ -75,18 +75,19 @@ OFF_SPELLINGS = ("", "0", "off", "OFF", "false", "no", "none", " 0 ")
 
 @pytest.mark.parametrize("value", OFF_SPELLINGS)
 def test_off_spellings_mean_off(monkeypatch, value):
-    from vllm_dsa_dbo import disabled_by_env
+    from vllm_dsa_dbo import disable_mode
     from vllm_dsa_dbo.diagnostics.isolation import mode_from_env
 
     monkeypatch.setenv("VLLM_DSA_DBO_CHECK", value)
     monkeypatch.setenv("VLLM_DSA_DBO_DISABLE", value)
-    assert mode_from_env() is None and disabled_by_env() is False
+    assert mode_from_env() is None and disable_mode() is None
 
 
 @pytest.mark.parametrize(
     "name, value, expected",
     [("VLLM_DSA_DBO_CHECK", v, v.strip().lower()) for v in ("raise", "audit", " Audit ", "RAISE")]
-    + [("VLLM_DSA_DBO_DISABLE", v, True) for v in ("1", "true", "yes", "on", "TRUE")]
+    + [("VLLM_DSA_DBO_DISABLE", v, "refuse") for v in ("1", "true", "yes", "on", "TRUE")]
+    + [("VLLM_DSA_DBO_DISABLE", v, "stock") for v in ("stock", " Stock ")]
     + [
         (name, v, None)
         for name in ("VLLM_DSA_DBO_CHECK", "VLLM_DSA_DBO_DISABLE")
@@ -96,11 +97,11 @@ def test_off_spellings_mean_off(monkeypatch, value):
 )
 def test_env_values(monkeypatch, name, value, expected):
     """Known values parse; anything else is an EnvValueError naming the value (None here)."""
-    from vllm_dsa_dbo import EnvValueError, disabled_by_env
+    from vllm_dsa_dbo import EnvValueError, disable_mode
     from vllm_dsa_dbo.diagnostics.isolation import mode_from_env
 
     monkeypatch.setenv(name, value)
-    parse = mode_from_env if name == "VLLM_DSA_DBO_CHECK" else disabled_by_env
+    parse = mode_from_env if name == "VLLM_DSA_DBO_CHECK" else disable_mode
     if expected is None:
         with pytest.raises(EnvValueError, match=f"^{name}={value!r} is not understood: set "):
             parse()
@@ -127,7 +128,7 @@ def test_status_shows_the_env_switches_spelled_off():
         (
             {"VLLM_DSA_DBO_DISABLE": "maybe"},
             "VLLM_DSA_DBO_DISABLE='maybe' is not understood: "
-            "set 1, true, yes or on to turn the fix off",
+            "set 1, true, yes, on or stock to turn the fix off",
         ),
     ],
     ids=["check-bogus", "disable-maybe"],

@@ -1,9 +1,10 @@
-"""Other vLLM versions: where vLLM carries the fix the plugin stays out; else
-DBO with a shared-top-k DSA model is refused, and everything else still runs.
+"""Other vLLM versions, and the fix turned off: DBO with a shared-top-k DSA model is
+refused, at config creation and at model build, and everything else still runs;
+`VLLM_DSA_DBO_DISABLE=stock` alone runs stock vLLM, with a warning.
 
-Each case runs in a fresh interpreter with the version (or the upstream
-builder) faked before `register()`, and builds vLLM's real `VllmConfig` for a
-tiny GLM-5-shaped config on disk, as `vllm serve` does.
+Each case runs in a fresh interpreter with the version faked before
+`register()`, and builds vLLM's real `VllmConfig` for a tiny GLM-5-shaped config
+on disk, as `vllm serve` does.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from test_cross_layer_refusal import MINIMAX_M3_INDEX_CACHE
 from test_plugin import PATCHED, run_python
 from vllm_dsa_dbo import guard
 
@@ -51,19 +53,14 @@ OTHER_VERSION = """
     import vllm
     vllm.__version__ = "0.34.0"
 """
-UPSTREAM_FIX = """
-    import logging
-    logging.basicConfig(level=logging.INFO)
-    from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroupBuilder
-    stock_init = SparseMLAIndexGroupBuilder.__init__
-    def __init__(self, logical_topk_indices, max_decode_rows=None, *, num_ubatches=1):
-        stock_init(self, logical_topk_indices, max_decode_rows)
-    SparseMLAIndexGroupBuilder.__init__ = __init__
-"""
 REGISTER = """
     import vllm_dsa_dbo
     vllm_dsa_dbo.register()
 """
+BOTH_SEAMS = (
+    "vllm.config.VllmConfig.__post_init__ and "
+    "vllm.model_executor.model_loader.utils.initialize_model"
+)
 
 
 def build_configs(*models: str) -> str:
@@ -105,12 +102,13 @@ def test_other_version_refuses_dbo_with_shared_topk_and_runs_the_rest(tmp_path):
     refusal = [line for line in out.splitlines() if line.startswith("REFUSED")]
     assert len(refusal) == 1 and refusal[0].startswith(f"REFUSED {shared} True"), out
     assert "index_topk_freq > 1" in refusal[0] and "found 0.34.0" in refusal[0]
-    assert "Drop --enable-dbo" in refusal[0] and "install vllm==0.33.0" in refusal[0]
+    assert "Drop --enable-dbo" in refusal[0] and "use vllm==0.33.0 with vllm-dsa-dbo" in refusal[0]
+    assert "PR #60734 alone fixes only the CUDA deepseek_v32 path" in refusal[0]
     assert f"BUILT {shared} False" in out and f"BUILT {own} True" in out
     assert "WARNING vllm.dsa_dbo vllm-dsa-dbo supports vLLM 0.33.0 only, found 0.34.0" in (
         result.stderr
     )
-    assert "refused (guard at vllm.config.VllmConfig.__post_init__)" in result.stderr
+    assert f"refused (guard at {BOTH_SEAMS})" in result.stderr
     assert not [line for line in result.stderr.splitlines() if line.startswith("ERROR")]
     status = run_python(
         """
@@ -122,7 +120,7 @@ def test_other_version_refuses_dbo_with_shared_topk_and_runs_the_rest(tmp_path):
     )
     assert status.returncode == 1, status.stdout + status.stderr[-3000:]
     assert "0.34.0 (NOT supported" in status.stdout
-    assert "refused at vllm.config.VllmConfig.__post_init__" in status.stdout
+    assert f"refused at {BOTH_SEAMS}" in status.stdout
 
 
 def test_guard_falls_back_to_the_model_build_seam():
@@ -144,35 +142,79 @@ def test_guard_falls_back_to_the_model_build_seam():
     assert "SEAM True vllm_dsa_dbo.guard" in result.stdout
 
 
-def test_vllm_with_the_upstream_fix_is_left_alone(tmp_path):
+def test_other_version_refuses_at_model_build_a_config_made_before_register(tmp_path):
+    """A config made before register() (its __post_init__ unguarded) and unpickled in a
+    worker is refused when the worker builds the model."""
     shared, _ = model_folders(tmp_path)
-    result = run_python(UPSTREAM_FIX, REGISTER, PATCHED, build_configs((shared, True)))
-    assert "PATCHED False" in result.stdout, result.stderr[-3000:]
-    assert f"BUILT {shared} True" in result.stdout
-    assert "carries the upstream fix" in result.stderr + result.stdout
-    status = run_python(
-        UPSTREAM_FIX,
-        """
-        import sys
-        from vllm_dsa_dbo.cli import main
-        sys.exit(main(["status"]))
+    result = run_python(
+        OTHER_VERSION,
+        f"""
+        import pickle
+        from vllm.config import DeviceConfig, ModelConfig, ParallelConfig, VllmConfig
+        made = pickle.dumps(VllmConfig(
+            model_config=ModelConfig(model={shared!r}, skip_tokenizer_init=True),
+            parallel_config=ParallelConfig(enable_dbo=True, all2all_backend="deepep_low_latency"),
+            device_config=DeviceConfig(device="cpu"),
+        ))
         """,
+        REGISTER,
+        """
+        from vllm.model_executor.model_loader import utils
+        try:
+            utils.initialize_model(vllm_config=pickle.loads(made))
+            print("BUILT")
+        except Exception as e:
+            print("REFUSED" if str(e).startswith("vllm-dsa-dbo:") else "FAILED", e)
+        """,
+        HF_HUB_OFFLINE="1",
     )
-    assert status.returncode == 0, status.stdout + status.stderr[-3000:]
-    assert "carries the upstream fix" in status.stdout and "stays out" in status.stdout
+    assert "REFUSED vllm-dsa-dbo: GlmMoeDsaForCausalLM shares top-k" in result.stdout, (
+        result.stdout + result.stderr[-3000:]
+    )
 
 
-def test_upstream_fix_detection(vllm_env, monkeypatch):
-    from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroupBuilder
+@pytest.mark.parametrize(
+    "env, built",
+    [({"VLLM_DSA_DBO_DISABLE": "1"}, False), ({"VLLM_DSA_DBO_DISABLE": "stock"}, True)],
+    ids=["off-keeps-refusals", "stock"],
+)
+def test_off_switch_keeps_the_refusals_and_stock_is_explicit(tmp_path, env, built):
+    shared, own = model_folders(tmp_path)
+    result = run_python(
+        "import logging\nlogging.basicConfig(level=logging.INFO)\n",
+        REGISTER,
+        PATCHED,
+        build_configs((shared, True), (own, True)),
+        HF_HUB_OFFLINE="1",
+        **env,
+    )
+    out, log = result.stdout, result.stderr
+    assert "PATCHED False" in out and f"BUILT {own} True" in out, log[-3000:]
+    if built:
+        assert f"BUILT {shared} True" in out
+        assert "WARNING:vllm.dsa_dbo:vllm-dsa-dbo: VLLM_DSA_DBO_DISABLE=stock" in log
+        assert "OUTPUTS WILL BE CORRUPTED" in log
+    else:
+        [refusal] = [line for line in out.splitlines() if line.startswith("REFUSED")] or [out]
+        assert refusal.startswith(f"REFUSED {shared} True")
+        assert "turned off by VLLM_DSA_DBO_DISABLE, which keeps its refusals" in refusal
+        assert "VLLM_DSA_DBO_DISABLE=stock runs stock vLLM" in refusal
+        assert "CORRUPTED" not in log
 
-    assert not guard.upstream_fix_present()  # the plugin's own num_ubatches
-    stock_init = SparseMLAIndexGroupBuilder.__init__
 
-    def __init__(self, logical_topk_indices, max_decode_rows=None, *, num_ubatches=1):
-        stock_init(self, logical_topk_indices, max_decode_rows)
-
-    monkeypatch.setattr(SparseMLAIndexGroupBuilder, "__init__", __init__)
-    assert guard.upstream_fix_present()
+def test_guard_refuses_minimax_m3_with_index_cache():
+    """MiniMax-M3's config has no index_topk; the guard (other versions, or 0.33.0
+    without its load-time check) matches its use_index_cache rule."""
+    model_config = SimpleNamespace(
+        architecture="MiniMaxM3SparseForCausalLM", hf_text_config=MINIMAX_M3_INDEX_CACHE
+    )
+    config = SimpleNamespace(
+        model_config=model_config, parallel_config=SimpleNamespace(enable_dbo=True)
+    )
+    with pytest.raises(ValueError, match="use_index_cache with index_topk_freq > 1"):
+        guard.refuse_unfixed(config, "why.")
+    config.parallel_config.enable_dbo = False
+    guard.refuse_unfixed(config, "why.")
 
 
 def test_failed_registration_never_raises_and_falls_back_to_the_guard(tmp_path):
@@ -207,6 +249,12 @@ def test_failed_registration_never_raises_and_falls_back_to_the_guard(tmp_path):
         ({"index_topk": 64, "candidate_source_layer_id": 3}, ["candidate_source_layer_id"]),
         ({"index_topk": 64, "candidate_source_layer_id": -1}, []),
         ({"index_topk_freq": 4}, []),  # not a DSA model
+        (
+            {"use_index_cache": True, "index_topk_freq": 4},
+            ["use_index_cache with index_topk_freq > 1"],
+        ),
+        ({"use_index_cache": True, "index_topk_freq": 1}, []),
+        ({"use_index_cache": False, "index_topk_freq": 4}, []),
     ],
 )
 def test_sharing_keys(config, keys):

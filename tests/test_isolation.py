@@ -19,7 +19,7 @@ def demo(phase: str, **env: str) -> subprocess.CompletedProcess:
 def test_audit_on_stock_vllm_reports_exactly_microbatch0_followers_after_a_yield():
     from vllm_dsa_dbo.cli import DEMO_CROSSED
 
-    result = demo("stock", VLLM_DSA_DBO_DISABLE="1", VLLM_DSA_DBO_CHECK="audit")
+    result = demo("stock", VLLM_DSA_DBO_DISABLE="stock", VLLM_DSA_DBO_CHECK="audit")
     assert result.returncode == DEMO_CROSSED, result.stderr[-3000:]
     pairs = re.findall(
         r"  (.+?): (group \d follower \d) read (group \d leader)'s write", result.stdout
@@ -37,7 +37,7 @@ def test_audit_on_stock_vllm_reports_exactly_microbatch0_followers_after_a_yield
 def test_raise_mode_stops_at_the_first_bad_read_on_stock_vllm():
     from vllm_dsa_dbo.cli import DEMO_CROSSED
 
-    result = demo("stock", VLLM_DSA_DBO_DISABLE="1", VLLM_DSA_DBO_CHECK="raise")
+    result = demo("stock", VLLM_DSA_DBO_DISABLE="stock", VLLM_DSA_DBO_CHECK="raise")
     assert result.returncode == DEMO_CROSSED, result.stderr[-3000:]
     last = result.stdout.splitlines()[-1]
     assert "isolation checker (raise) stopped the step at the first bad read" in last

@@ -136,6 +136,24 @@ def test_groups_no_patch_touched_are_refused_under_dbo():
         refusals.check_wired(model, num_ubatches=2)
 
 
+def test_groups_built_for_fewer_microbatches_than_the_run_are_refused(fake_gpu):
+    """A builder given num_ubatches=1 in a DBO build (vllm PR #60734's default, which
+    its builders other than DeepseekV32Model's keep) allocates no copies."""
+    import torch.nn as nn
+
+    from vllm_dsa_dbo.testing.stack import SharedTopkStack
+
+    def model(num_ubatches: int) -> nn.Module:
+        layers = [nn.Module() for _ in range(3)]
+        for layer, impl in zip(layers, SharedTopkStack([True, False, False], num_ubatches).impls):
+            layer.impl = impl
+        return nn.ModuleList(layers)
+
+    refusals.check_wired(model(2), num_ubatches=2)
+    with pytest.raises(ValueError, match="Drop --enable-dbo"):
+        refusals.check_wired(model(1), num_ubatches=2)
+
+
 def test_load_seam_signature_checks():
     def build(config, *, prefix=""): ...
 

@@ -65,6 +65,7 @@ UPSTREAM_REFUSAL_TEST = (
     f"{UPSTREAM}::test_tree_missing_a_place_is_refused_and_nothing_written[builder method renamed]"
 )
 UPSTREAM_DRY_RUN_TEST = f"{UPSTREAM}::test_diff_applies_with_git_and_dry_run_writes_nothing"
+TREE_TEST = f"{UPSTREAM}::test_plugin_in_a_patched_tree_retires_only_what_the_tree_carries"
 RECORDS_TEST = "tests/test_patch_records.py::test_every_patch_lists_what_it_sets"
 MODEL_MODULES_TEST = "tests/test_plugin.py::test_model_modules_are_patched_when_vllm_imports_them"
 
@@ -271,11 +272,37 @@ MUTATIONS = {
         "        pass\n",
         GUARD_TEST,
     ),
-    "a vLLM carrying the upstream fix is patched anyway": (
+    "the patches a vLLM carries applied over its own": (
+        "patches/__init__.py",
+        '    carried = module.in_tree(target) if hasattr(module, "in_tree") else None\n',
+        "    carried = None\n",
+        TREE_TEST,
+    ),
+    "the guard checks at config creation only": (
         "guard.py",
-        '            and "num_ubatches" in inspect.signature(init).parameters\n',
-        "            and False\n",
-        "tests/test_guard.py::test_upstream_fix_detection",
+        "        seams.append(seam)\n",
+        "        seams.append(seam)\n        break\n",
+        "tests/test_guard.py::"
+        "test_other_version_refuses_at_model_build_a_config_made_before_register",
+    ),
+    "MiniMax-M3's use_index_cache not matched by the guard": (
+        "guard.py",
+        "        return [SHARING_KEYS[-1]]\n",
+        "        return []\n",
+        "tests/test_guard.py::test_guard_refuses_minimax_m3_with_index_cache",
+    ),
+    "the off switch refuses nothing": (
+        "__init__.py",
+        "    if mode == REFUSE:\n",
+        "    if False:\n",
+        "tests/test_guard.py::"
+        "test_off_switch_keeps_the_refusals_and_stock_is_explicit[off-keeps-refusals]",
+    ),
+    "HiSparse under DBO loaded": (
+        "patches/base_loader.py",
+        "            refuse_hisparse(vllm_config)\n",
+        "            pass\n",
+        "tests/test_plugin.py::test_hisparse_under_dbo_is_refused_at_load_whatever_the_layout",
     ),
     "thread registry not checked": (
         "patches/index_group.py",
@@ -324,16 +351,17 @@ MUTATIONS = {
     ),
     "patches applied without the patches they need": (
         "patches/__init__.py",
-        "    missing = [r for r in requires if known[r] is not None]\n",
-        "    missing = []\n",
+        '    needs = [f"{r}, left unapplied" for r in requires if known[r] is not None]\n',
+        "    needs = []\n",
         "tests/test_patch_rocm_dsa.py::"
         "test_rocm_patches_skipped_off_rocm_when_their_module_cannot_import",
     ),
-    "vLLM's own groups (index_group unapplied) not refused": (
+    "groups built for fewer microbatches than the run not refused": (
         "diagnostics/refusals.py",
-        "        return num_ubatches > 1 and reads_another_layers_topk(group)\n",
-        "        return False\n",
-        "tests/test_live_checks.py::test_groups_no_patch_touched_are_refused_under_dbo",
+        '    if getattr(group, "num_ubatches", 1) < num_ubatches:\n',
+        '    if not hasattr(group, "num_ubatches"):\n',
+        "tests/test_live_checks.py::"
+        "test_groups_built_for_fewer_microbatches_than_the_run_are_refused",
     ),
     "demo: the checker's raise ends the stock phase with a traceback": (
         "demo.py",
@@ -492,6 +520,7 @@ def copy_package(root: Path) -> Path:
         UPSTREAM_CODE_TEST,
         UPSTREAM_REFUSAL_TEST,
         UPSTREAM_DRY_RUN_TEST,
+        TREE_TEST,
     ],
     ids=str,
 )

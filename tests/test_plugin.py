@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import textwrap
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -106,8 +107,10 @@ CHECKER = """
             {"VLLM_DSA_DBO_DISABLE": "maybe"},
             True,
             None,
-            "VLLM_DSA_DBO_DISABLE='maybe' is not understood: set 1, true, yes or on to turn the "
-            "fix off, or unset it (0, false, no, off or none also mean off). The fix is applied.",
+            "VLLM_DSA_DBO_DISABLE='maybe' is not understood: set 1, true, yes, on or stock to "
+            "turn the fix off and refuse what it would fix (stock: run vLLM's stock, corrupted "
+            "behaviour for A/B runs), or unset it (0, false, no, off or none also mean off). "
+            "The fix is applied.",
         ),
         ({"VLLM_DSA_DBO_CHECK": "off", "VLLM_DSA_DBO_DISABLE": "0"}, True, None, None),
         ({"VLLM_DSA_DBO_CHECK": "Audit", "VLLM_DSA_DBO_DISABLE": "yes"}, False, "audit", None),
@@ -202,3 +205,71 @@ def test_hisparse_follower_under_dbo_is_refused(fake_gpu):
     with pytest.raises(ValueError, match="HiSparse cannot run with dual batch overlap"):
         builder.register_layer(False)
     assert builder.current_group.num_layers == 1
+
+
+def test_hisparse_under_dbo_is_refused_at_load_whatever_the_layout(vllm_env):
+    """vLLM's HiSparse KV write takes the whole batch's slot mapping from row 0, not the
+    microbatch's: microbatch 1 writes its KV into microbatch 0's slots, followers or
+    not. Through vLLM's MLAAttention.update_kv_cache and HiSparseCacheHandle; the
+    runtime (compiled kernels only) and the KV write kernel are stand-ins."""
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+    from vllm.v1.hisparse.runtime import HiSparseCacheHandle
+
+    from vllm_dsa_dbo.patches.base_loader import checked_build
+
+    runtime = SimpleNamespace(
+        kv_dtype=torch.bfloat16,
+        row_width=8,
+        max_num_reqs=4,
+        eager_host_mirror=False,
+        begin_forward=lambda: None,
+        is_group_leader=True,
+    )
+    handle = HiSparseCacheHandle(runtime)
+    batch_slots = torch.arange(100, 112)  # microbatch 0: tokens 0-5, microbatch 1: 6-11
+    handle.bind_cache(
+        torch.zeros(4 * 4 * 8 * 2, dtype=torch.uint8),
+        byte_offset=0,
+        block_stride=4 * 8 * 2,
+        num_blocks=4,
+        block_size=4,
+        block_table=torch.zeros(4, 4, dtype=torch.int32),
+        slot_mapping=batch_slots,
+    )
+    written = []
+    layer = SimpleNamespace(
+        hisparse_cache=handle,
+        use_pcp=False,
+        pcp_shard_decode_requests=False,
+        _k_scale_float=1.0,
+        impl=SimpleNamespace(
+            do_kv_cache_update=lambda kv, pe, cache, slots, *a: written.append(slots)
+        ),
+    )
+    ubatch1 = SimpleNamespace(
+        num_actual_tokens=6,
+        num_decode_tokens=0,
+        max_query_len=6,
+        num_reqs=1,
+        req_id_per_token=torch.zeros(6, dtype=torch.int32),
+    )
+    handle.prepare_group_for_batch(ubatch1)  # as microbatch 1's leader layer does
+    MLAAttention.update_kv_cache(
+        layer,
+        torch.zeros(6, 8),
+        torch.zeros(6, 1, 8),
+        None,
+        batch_slots[6:],
+        ubatch1,
+        "auto",
+        torch.ones(1),
+    )
+    assert written[0].tolist() == batch_slots[:6].tolist()  # microbatch 0's slots
+
+    parallel = SimpleNamespace(enable_dbo=True, use_ubatching=True, num_ubatches=2)
+    dbo = SimpleNamespace(
+        attention_config=SimpleNamespace(hisparse_config=object()), parallel_config=parallel
+    )
+    build = checked_build(lambda vllm_config: torch.nn.Linear(1, 1))  # a model of no DSA layers
+    with pytest.raises(ValueError, match="HiSparse cannot run with dual batch overlap, whatever"):
+        build(vllm_config=dbo)

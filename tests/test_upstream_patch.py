@@ -9,6 +9,7 @@ source tree and runs vLLM's own tests in it.
 from __future__ import annotations
 
 import ast
+import json
 import os
 import shutil
 import subprocess
@@ -73,6 +74,72 @@ def test_dbo_ubatch_passes_in_the_patched_tree(tmp_path):
     output = result.stdout[-3000:] + result.stderr[-3000:]
     assert result.returncode == 0, output
     assert "4 passed" in result.stdout, output
+
+
+IN_TREE = """
+import json
+import torch
+import vllm_dsa_dbo
+from vllm_dsa_dbo import patches
+from vllm_dsa_dbo.diagnostics.refusals import left_shared
+from vllm_dsa_dbo.testing import cpu_dbo
+
+vllm_dsa_dbo.register()
+from vllm.model_executor.model_loader import utils
+from vllm.models.deepseek_v32 import attention
+from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroupBuilder
+
+refused = {}
+with cpu_dbo.cpu_vllm(), cpu_dbo.fake_streams():
+    for count in (None, 2):  # as deepseek_v2.py builds it, as DeepseekV32Model does here
+        kwargs = {} if count is None else {"num_ubatches": count}
+        builder = SparseMLAIndexGroupBuilder(torch.empty(16, 8, dtype=torch.int32), 4, **kwargs)
+        group, _ = builder.register_layer(True)
+        builder.register_layer(False)
+        refused[str(count)] = left_shared(group, 2)
+print("TREE " + json.dumps({
+    "carried": sorted(patches.CARRIED),
+    "unapplied": sorted(n for n, r in patches._OUTCOMES.items() if r),
+    "load_check": patches.applied(utils),
+    "refused": refused,
+}))
+"""
+
+
+def test_plugin_in_a_patched_tree_retires_only_what_the_tree_carries(tmp_path):
+    """In a tree made by upstream-patch, the plugin retires the three patches the tree
+    carries, keeps its load-time check, and leaves the patches built on its own
+    index_group unapplied: their paths' builders get one microbatch and are refused."""
+    tree = small_tree(tmp_path, link=True)
+    assert main(["upstream-patch", str(tree)]) == 0
+    env = {k: v for k, v in upstream_tree.tree_env(tree).items() if not k.startswith("VLLM_")}
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, *args], cwd=tree, env=env, capture_output=True, text=True
+        )
+
+    result = run("-c", IN_TREE)
+    line = next((x for x in result.stdout.splitlines() if x.startswith("TREE ")), None)
+    assert line is not None, result.stderr[-3000:]
+    found = json.loads(line.removeprefix("TREE "))
+    carried = ["deepseek_v32_attention", "index_group", "sparse_mla_attention"]
+    assert found["carried"] == carried
+    assert found["unapplied"] == ["mla", "sparse_attn_indexer"]
+    assert found["load_check"] == ["base_loader"]
+    assert found["refused"] == {"None": True, "2": False}
+
+    status = run("-m", "vllm_dsa_dbo.cli", "status")
+    out = status.stdout
+    assert status.returncode == 1, out + status.stderr[-3000:]
+    assert out.count("CARRIED by this vLLM, so not applied") == 3
+    assert "SparseMLAIndexGroupBuilder takes num_ubatches, default 1" in out
+    assert "this vLLM carries index_group, sparse_mla_attention, deepseek_v32_attention" in out
+    assert "the plugin applies " in out and "base_loader, tensorizer" in out
+    assert (
+        "LEFT UNAPPLIED here: needs the plugin's index_group, which this vLLM carries in its "
+        "own form" in out
+    )
 
 
 def test_inserted_code_is_the_core_and_the_model_passes_the_microbatch_count(tmp_path):

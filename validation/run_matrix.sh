@@ -111,7 +111,7 @@ one() {
   local name="$1" model fix mode rest
   read -r model fix mode rest <<< "$(spec "$name")" || return 1
   case "$model" in [0-9]*) model="freq$model" ;; esac
-  local disable=""; [ "$fix" = off ] && disable=1
+  local disable=""; [ "$fix" = off ] && disable=stock
   local check="" measure=""
   local deep_gemm=""
   case "$name" in chk_*) check=audit ;; perf_*) measure=1 ;; esac

@@ -7,7 +7,7 @@
 # 0.4.13 and what the image lacks for it; installed here into /tmp/site):
 #   bash validation/device_setup.sh && bash validation/serve_ab.sh $OUT
 # Two servers run at a time, each on both GPUs: off_a (no DBO) + on_stock (DBO,
-# VLLM_DSA_DBO_DISABLE=1), then off_b (no DBO) + on_fix (DBO, plugin on). OUTDIR ends with
+# VLLM_DSA_DBO_DISABLE=stock), then off_b (no DBO) + on_fix (DBO, plugin on). OUTDIR ends with
 # summary.md, ab.md, one <name>.log per server and samples.tar.gz (lm_eval outputs, the model
 # folder, the endpoint tables).
 set -uo pipefail
@@ -97,7 +97,7 @@ pair() {  # REF DISABLE RUN: REF without DBO and RUN with DBO, up together
   stop "$ref" "$run"
 }
 
-pair off_a 1 on_stock
+pair off_a stock on_stock
 if [ $((budget - SECONDS)) -lt 200 ]; then
   echo "## off_b + on_fix: skipped, $SECONDS s of a $budget s budget used"
 else

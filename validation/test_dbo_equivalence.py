@@ -42,7 +42,7 @@ def run(out_dir: Path, model: Path, name: str, *flags: str, fix: bool) -> dict:
         "VLLM_MOE_USE_DEEP_GEMM": "0",
         "VLLM_USE_FLASHINFER_SAMPLER": "0",
         "VLLM_DSA_DBO_CHECK": "audit",
-        "VLLM_DSA_DBO_DISABLE": "" if fix else "1",
+        "VLLM_DSA_DBO_DISABLE": "" if fix else "stock",
     }
     subprocess.run(
         [

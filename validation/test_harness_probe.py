@@ -44,7 +44,10 @@ with cpu_dbo.cpu_vllm():
 
 def probe(phase: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
-    env |= {"VLLM_DSA_DBO_CHECK": "audit", "VLLM_DSA_DBO_DISABLE": "1" if phase == "stock" else ""}
+    env |= {
+        "VLLM_DSA_DBO_CHECK": "audit",
+        "VLLM_DSA_DBO_DISABLE": "stock" if phase == "stock" else "",
+    }
     result = subprocess.run(
         [sys.executable, "-c", PROBE, phase],
         cwd=Path(__file__).parent,  # the harness's package

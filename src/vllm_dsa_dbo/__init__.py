@@ -44,9 +44,20 @@ def _either(values: tuple[str, ...]) -> str:
     return ", ".join(values[:-1]) + " or " + values[-1] if len(values) > 1 else values[0]
 
 
-def disabled_by_env() -> bool:
-    """Whether VLLM_DSA_DBO_DISABLE turns the fix off; EnvValueError for an unknown value."""
-    return env_choice(DISABLE_ENV, ON, "turn the fix off") is not None
+# VLLM_DSA_DBO_DISABLE's modes: the fix off with its refusals kept, or vLLM as shipped.
+REFUSE = "refuse"
+STOCK = "stock"
+
+
+def disable_mode() -> str | None:
+    """VLLM_DSA_DBO_DISABLE: None (fix on), REFUSE or STOCK; EnvValueError for another value."""
+    value = env_choice(
+        DISABLE_ENV,
+        (*ON, STOCK),
+        f"turn the fix off and refuse what it would fix ({STOCK}: run vLLM's stock, corrupted "
+        "behaviour for A/B runs)",
+    )
+    return value if value in (None, STOCK) else REFUSE
 
 
 def is_supported_vllm(version: str) -> bool:
@@ -82,18 +93,27 @@ def _register(logger: Any) -> None:
         logger.error("vllm-dsa-dbo: %s. The isolation checker stays off.", e)
         check = None
     try:
-        disabled = disabled_by_env()
+        mode = disable_mode()
     except EnvValueError as e:
         logger.error("vllm-dsa-dbo: %s. The fix is applied.", e)
-        disabled = False
-    if disabled and check is None:
-        logger.info("vllm-dsa-dbo disabled by %s; nothing patched", DISABLE_ENV)
+        mode = None
+    if mode == STOCK:
+        logger.warning(
+            "vllm-dsa-dbo: %s=%s: nothing patched and nothing refused. With --enable-dbo, a "
+            "DSA model with shared top-k layers (GLM-5.x) runs as stock vLLM does and its "
+            "OUTPUTS WILL BE CORRUPTED (for A/B runs only)",
+            DISABLE_ENV,
+            STOCK,
+        )
+    if guard.stays_out(logger, refuse=mode != STOCK):
         return
-    if guard.stays_out(logger):
-        return
-    if disabled:
-        logger.info("vllm-dsa-dbo disabled by %s; only its checker runs", DISABLE_ENV)
-    else:
+    if mode == REFUSE:
+        guard.cover(
+            logger,
+            f"vllm-dsa-dbo is turned off by {DISABLE_ENV}, which keeps its refusals "
+            f"({DISABLE_ENV}={STOCK} runs stock vLLM, corrupted, for A/B runs).",
+        )
+    elif mode is None:
         from vllm_dsa_dbo.patches import LOAD_CHECK_MODULES, apply_all
 
         if not LOAD_CHECK_MODULES <= apply_all():

@@ -14,9 +14,11 @@ from typing import TYPE_CHECKING
 
 from vllm_dsa_dbo import (
     DISABLE_ENV,
+    REFUSE,
+    STOCK,
     SUPPORTED_VLLM,
     EnvValueError,
-    disabled_by_env,
+    disable_mode,
     is_supported_vllm,
 )
 from vllm_dsa_dbo.diagnostics.layout import (
@@ -44,6 +46,11 @@ GLM53 = {
     "index_skip_topk_offset": 3,
 }
 PRESETS = {"glm-5.3": GLM53}
+DISABLE_MEANING = {
+    None: "fix on",
+    REFUSE: "the plugin patches nothing and refuses DBO with shared top-k",
+    STOCK: "stock vLLM: nothing patched, nothing refused, DBO outputs corrupted",
+}
 # `python -m vllm_dsa_dbo.demo` exits with this when a read crossed microbatches.
 DEMO_CROSSED = 3
 
@@ -80,14 +87,6 @@ def status(args: argparse.Namespace) -> int:
         problems.append("vLLM is not installed")
         print(f"vLLM: not installed (supported: {SUPPORTED_VLLM})")
     else:
-        from vllm_dsa_dbo import guard
-
-        if guard.upstream_fix_present():
-            print(
-                f"vLLM: {vllm_version} carries the upstream fix (its index-group builder "
-                "takes num_ubatches): the plugin stays out, nothing to do"
-            )
-            return 0
         ok = is_supported_vllm(vllm_version)
         print(
             f"vLLM: {vllm_version} ({'supported' if ok else 'NOT supported'}; "
@@ -121,19 +120,19 @@ def status(args: argparse.Namespace) -> int:
 
     errors: list[str] = []
     try:
-        disabled = disabled_by_env()
+        disabled = disable_mode()
     except EnvValueError as e:
         errors.append(f"{e}; vLLM logs this and applies the fix")
         print(f"{DISABLE_ENV}: {env_shown(DISABLE_ENV)} NOT understood")
     else:
-        meaning = "the plugin patches nothing" if disabled else "fix on"
-        print(f"{DISABLE_ENV}: {env_shown(DISABLE_ENV)} ({meaning})")
+        print(f"{DISABLE_ENV}: {env_shown(DISABLE_ENV)} ({DISABLE_MEANING[disabled]})")
         if disabled:
             problems.append(f"{DISABLE_ENV} is set")
     print(check_line(errors))
 
     from vllm_dsa_dbo.diagnostics.isolation import CHECK_ENV
     from vllm_dsa_dbo.patches import (
+        CARRIED,
         CHECK_PATCH_MODULES,
         LOAD_CHECK_MODULES,
         patch_modules,
@@ -146,7 +145,9 @@ def status(args: argparse.Namespace) -> int:
     for module in patch_modules():
         print_patch(module.PATCH)
         name = short_name(module)
-        if wiring.get(name) is not None:
+        if name in CARRIED:
+            print(f"    CARRIED by this vLLM, so not applied: {CARRIED[name]}")
+        elif wiring.get(name) is not None:
             print(f"    LEFT UNAPPLIED here: {wiring[name]}")
             problems.append(f"patch {name} is left unapplied")
     print(f"isolation checker patches (only with {CHECK_ENV} set):")
@@ -155,6 +156,9 @@ def status(args: argparse.Namespace) -> int:
     if any(wiring.get(name) is not None for name in LOAD_CHECK_MODULES):
         print(f"guard: DBO with a shared-top-k DSA model is refused at {guard_seam()}")
 
+    if CARRIED:
+        own = [name for name, reason in wiring.items() if reason is None and name not in CARRIED]
+        print(f"this vLLM carries {', '.join(CARRIED)}; the plugin applies {', '.join(own)}")
     if problems:
         print("fix NOT active: " + "; ".join(problems))
     if errors:
@@ -325,7 +329,7 @@ def demo(args: argparse.Namespace) -> int:
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
     env.pop("VLLM_PLUGINS", None)
     crossed = {}
-    for phase, disable in (("stock", "1"), ("fixed", "")):
+    for phase, disable in (("stock", STOCK), ("fixed", "")):
         result = subprocess.run(
             [sys.executable, "-m", "vllm_dsa_dbo.demo", "--phase", phase],
             env={**env, DISABLE_ENV: disable},
@@ -352,7 +356,7 @@ def plugin_env() -> str | None:
     from vllm_dsa_dbo.diagnostics.isolation import mode_from_env
 
     try:
-        disabled_by_env()
+        disable_mode()
         return mode_from_env()
     except EnvValueError as e:
         raise UsageError(str(e)) from None

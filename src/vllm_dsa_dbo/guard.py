@@ -1,9 +1,9 @@
 """Where the plugin cannot fix shared top-k under DBO, refuse it instead.
 
-vLLM versions other than 0.33.0, and a 0.33.0 whose load-time check could not
-be installed, get a guard that refuses, at config creation, a DSA model with
-shared top-k layers under DBO; nothing else changes. A vLLM that carries the
-upstream fix needs neither.
+vLLM versions other than 0.33.0, a 0.33.0 whose load-time check could not be
+installed, and a run with the fix turned off get a guard that refuses, at config
+creation and at model build, a DSA model with shared top-k layers, or HiSparse,
+under DBO; nothing else changes.
 """
 
 from __future__ import annotations
@@ -21,31 +21,31 @@ SHARING_KEYS = (
     "indexer_types with 'shared'",
     "index_source_layer_ids",
     "candidate_source_layer_id",
+    "use_index_cache with index_topk_freq > 1",
 )
 _GUARDED = "_vllm_dsa_dbo_guard"
 REMEDY = (
     "Drop --enable-dbo (and --ubatch-size) for this model, or, to run it under DBO, "
-    f"install vllm=={SUPPORTED_VLLM} with vllm-dsa-dbo or a vLLM release that carries "
-    "vllm PR #60734."
+    f"use vllm=={SUPPORTED_VLLM} with vllm-dsa-dbo enabled, which fixes or refuses each "
+    "path (vllm PR #60734 alone fixes only the CUDA deepseek_v32 path)."
 )
-
-
-def upstream_fix_present() -> bool:
-    """vLLM's own index-group builder takes the microbatch count (vllm PR #60734)."""
-    try:
-        from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroupBuilder
-
-        init = SparseMLAIndexGroupBuilder.__init__
-        return (
-            not init.__module__.startswith("vllm_dsa_dbo")
-            and "num_ubatches" in inspect.signature(init).parameters
-        )
-    except Exception:  # no such builder, or one inspect cannot read
-        return False
+HISPARSE_REFUSAL = (
+    "vllm-dsa-dbo: HiSparse cannot run with dual batch overlap, whatever the model's "
+    "index_topk_freq: its KV write takes the whole batch's slot mapping from row 0 "
+    "(HiSparseCacheHandle.write_target), so microbatch 1 writes its KV into microbatch "
+    "0's slots, and its request state and block tables are bound for the whole batch. "
+    "Drop --enable-dbo (and --ubatch-size), or turn HiSparse off "
+    "(attention_config.hisparse_config)."
+)
 
 
 def sharing_keys(text_config: Any) -> list[str]:
     """The SHARING_KEYS a DSA model's text config sets; [] when no layer reuses top-k."""
+    # MiniMax-M3's rule (_should_skip_index_topk); its config has no index_topk.
+    if getattr(text_config, "use_index_cache", False) and (
+        int(getattr(text_config, "index_topk_freq", 1) or 1) > 1
+    ):
+        return [SHARING_KEYS[-1]]
     if getattr(text_config, "index_topk", None) is None:
         return []
     freq = getattr(text_config, "index_topk_freq", None)
@@ -66,11 +66,21 @@ def uses_dbo(parallel_config: Any) -> bool:
     )
 
 
+def refuse_hisparse(vllm_config: Any) -> None:
+    """Raise for HiSparse under DBO, which vLLM 0.33.0 corrupts whatever the layout."""
+    attention = getattr(vllm_config, "attention_config", None)
+    if getattr(attention, "hisparse_config", None) is not None and uses_dbo(
+        vllm_config.parallel_config
+    ):
+        raise ValueError(HISPARSE_REFUSAL)
+
+
 def refuse_unfixed(vllm_config: Any, why: str) -> None:
-    """Raise for DBO with a shared-top-k DSA model, which this vLLM would corrupt."""
+    """Raise for DBO with a shared-top-k DSA model or HiSparse, which this vLLM would corrupt."""
     model_config = getattr(vllm_config, "model_config", None)
     if model_config is None or not uses_dbo(vllm_config.parallel_config):
         return
+    refuse_hisparse(vllm_config)
     text_config = getattr(model_config, "hf_text_config", None) or model_config.hf_config
     keys = sharing_keys(text_config)
     if keys:
@@ -111,7 +121,8 @@ def _guard_model_build(why: str) -> None:
     replace_function(utils, "initialize_model", initialize_model)
 
 
-# Tried in order; each needs only the names it is called by.
+# Config creation, and model build for a config made before register() (unpickled in a
+# worker); each needs only the names it is called by.
 SEAMS: dict[str, Callable[[str], None]] = {
     "vllm.config.VllmConfig.__post_init__": _guard_config,
     "vllm.model_executor.model_loader.utils.initialize_model": _guard_model_build,
@@ -119,9 +130,9 @@ SEAMS: dict[str, Callable[[str], None]] = {
 
 
 def install(why: str) -> str | None:
-    """Install the guard at the first seam this vLLM has, once per process.
+    """Install the guard at every seam this vLLM has, once per process.
 
-    Returns the seam's name, or None where no seam could be installed. `why`
+    Returns the seams' names, or None where no seam could be installed. `why`
     ends the refusal's first sentence: why the plugin cannot fix it here.
     """
     import vllm
@@ -129,14 +140,17 @@ def install(why: str) -> str | None:
     installed = getattr(vllm, _GUARDED, None)
     if installed is not None:
         return installed
+    seams = []
     for seam, guard in SEAMS.items():
         try:
             guard(why)
-        except Exception:  # this vLLM lacks the seam: try the next
+        except Exception:  # this vLLM lacks the seam: the others still guard
             continue
-        setattr(vllm, _GUARDED, seam)
-        return seam
-    return None
+        seams.append(seam)
+    if not seams:
+        return None
+    setattr(vllm, _GUARDED, " and ".join(seams))
+    return getattr(vllm, _GUARDED)
 
 
 def cover(logger: Any, why: str) -> None:
@@ -158,20 +172,18 @@ def cover(logger: Any, why: str) -> None:
         )
 
 
-def stays_out(logger: Any) -> bool:
-    """Whether this vLLM is not one to patch: it carries the upstream fix (then
-    nothing is needed) or is another version (then the guard goes in)."""
+def stays_out(logger: Any, refuse: bool = True) -> bool:
+    """Whether this vLLM is another version, not one to patch; with `refuse`, the guard goes in.
+
+    A vLLM carrying vllm PR #60734 is no exception: the PR fixes one path of
+    several, and which of the others an unknown version fixes cannot be told.
+    """
     import vllm
 
-    if upstream_fix_present():
-        logger.info(
-            "vllm-dsa-dbo: vLLM %s carries the upstream fix (its index-group builder "
-            "takes num_ubatches): nothing patched",
-            vllm.__version__,
-        )
-        return True
     if is_supported_vllm(vllm.__version__):
         return False
+    if not refuse:
+        return True
     cover(
         logger,
         f"vllm-dsa-dbo supports vLLM {SUPPORTED_VLLM} only, found {vllm.__version__}: "

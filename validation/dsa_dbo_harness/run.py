@@ -6,7 +6,7 @@ Two GPUs: one DP rank per GPU. One GPU: both ranks on GPU 0
 (`NCCL_MULTI_RANK_GPU_ENABLE=1`); chosen from the visible GPUs, recorded as
 `gpu_count`. With a DeepEP all2all backend the harness lifts no vLLM check
 (`harness_gates` empty in every worker). The fix is on when vllm-dsa-dbo is
-installed, off with VLLM_DSA_DBO_DISABLE=1 (recorded in the JSON either way,
+installed, off with VLLM_DSA_DBO_DISABLE=stock (recorded in the JSON either way,
 from inside the workers).
 """
 

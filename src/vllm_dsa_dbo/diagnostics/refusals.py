@@ -95,7 +95,8 @@ def check_wired(model: Any, num_ubatches: int = 1) -> None:
 
 
 def left_shared(group: Any, num_ubatches: int) -> bool:
-    """`shares_topk_across_ubatches`, also for a group of vLLM's own (index_group unapplied)."""
-    if not hasattr(group, "ubatch_topk_states"):
-        return num_ubatches > 1 and reads_another_layers_topk(group)
-    return shares_topk_across_ubatches(group)
+    """`shares_topk_across_ubatches`, also for a group built for fewer microbatches than the
+    run has (vLLM's own, index_group unapplied, or a builder given a smaller count)."""
+    if getattr(group, "num_ubatches", 1) < num_ubatches:
+        return reads_another_layers_topk(group)
+    return hasattr(group, "ubatch_topk_states") and shares_topk_across_ubatches(group)

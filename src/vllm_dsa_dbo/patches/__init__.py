@@ -2,8 +2,10 @@
 
 Each patch module opens with `PATCH`, its metadata as data (the target's
 symbols it sets, Why, How, Upstream, Remove when), and defines `apply(target)`.
-It may define `REQUIRES`, the patches it is wrong without, and `check(target)`,
-which tells what of the vLLM internals it relies on differs here. `status`, docs and tests read
+It may define `REQUIRES`, the patches it is wrong without, `check(target)`,
+which tells what of the vLLM internals it relies on differs here, and
+`in_tree(target)`, which tells what the target's own code has that makes the
+patch redundant (a vLLM carrying the upstream change). `status`, docs and tests read
 `PATCH` from here; nothing keeps a second list by hand.
 """
 
@@ -130,6 +132,8 @@ MODEL_PACKAGES = "vllm.models."
 
 # This process's outcome of every patch applied or left unapplied so far (None: in force).
 _OUTCOMES: dict[str, str | None] = {}
+# The patches this vLLM's own code makes redundant, and what it has in their place.
+CARRIED: dict[str, str] = {}
 # A patch that needs one that does not matter here (a ROCm-only patch off ROCm).
 _IRRELEVANT = object()
 
@@ -170,6 +174,10 @@ def wire(apply: bool, names: tuple[str, ...] = PATCH_MODULES) -> dict[str, str |
 def _outcome(module: ModuleType, target: ModuleType, known: dict, apply: bool) -> Any:
     """Why `module`'s patch of `target` is left unapplied, None if in force, or _IRRELEVANT."""
     name = short_name(module)
+    carried = module.in_tree(target) if hasattr(module, "in_tree") else None
+    if carried is not None:
+        CARRIED[name] = carried
+        return None
     requires = getattr(module, "REQUIRES", ())
     for required, patch in zip(requires, patch_modules(requires)):
         # One whose module vLLM has not imported yet is wired first.
@@ -180,10 +188,16 @@ def _outcome(module: ModuleType, target: ModuleType, known: dict, apply: bool) -
     in_force = applied(target)
     if name in in_force:
         return None
-    missing = [r for r in requires if known[r] is not None]
+    needs = [f"{r}, left unapplied" for r in requires if known[r] is not None]
+    # vLLM's own form of a patch is not the one the patches needing it were written against.
+    needs += [
+        f"the plugin's {r}, which this vLLM carries in its own form"
+        for r in requires
+        if r in CARRIED
+    ]
     try:
-        if missing:
-            reason = f"needs {', '.join(missing)}, left unapplied"
+        if needs:
+            reason = "needs " + "; ".join(needs)
         else:
             reason = module.check(target) if hasattr(module, "check") else None
         if reason is None and apply:

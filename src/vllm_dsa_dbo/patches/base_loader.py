@@ -11,6 +11,7 @@ from typing import Any
 
 from vllm_dsa_dbo.diagnostics.refusals import check_wired
 from vllm_dsa_dbo.diagnostics.startup import describe
+from vllm_dsa_dbo.guard import refuse_hisparse
 from vllm_dsa_dbo.patches import Patch, replace_function
 
 PATCH = Patch(
@@ -30,14 +31,15 @@ PATCH = Patch(
         "Replaces initialize_model, in its module and in every module holding it "
         "by value: after the outermost build, each worker "
         "refuses, under DBO, a model whose followers would read shared top-k "
-        "state (leaders not wired to the per-microbatch buffers, followers in "
+        "state (groups built for fewer microbatches than the run has, leaders "
+        "not wired to the per-microbatch buffers, followers in "
         "private groups nothing wired, followers of a sparse MLA backend without "
         "index groups (XPU_MLA_SPARSE), groups a patch left unapplied, "
         "DeepSeek-V4.1 buffers without per-microbatch copies, or MiniMax-M3 ROCm "
         "cross-layer index buffers), else logs one INFO line with the microbatch "
         "count, the index groups with followers (or V4.1's copied buffers), the "
         "bytes allocated and the sparse MLA backend, and nothing when nothing was "
-        "allocated."
+        "allocated. Before the build it refuses HiSparse under DBO."
     ),
     upstream=(
         "none for the log line; the refusals stand in for fixes PR #60734 does "
@@ -76,13 +78,15 @@ def checked_build(build: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(build)
     def checked(*args: Any, **kwargs: Any) -> Any:
         depth = getattr(_building, "depth", 0)
+        vllm_config = signature.bind(*args, **kwargs).arguments["vllm_config"]
+        if depth == 0:
+            refuse_hisparse(vllm_config)
         _building.depth = depth + 1
         try:
             model = build(*args, **kwargs)
         finally:
             _building.depth = depth
         if depth == 0:
-            vllm_config = signature.bind(*args, **kwargs).arguments["vllm_config"]
             check_wired(model, get_num_ubatches(vllm_config.parallel_config))
             line = describe(model)
             if line is not None:

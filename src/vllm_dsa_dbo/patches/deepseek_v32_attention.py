@@ -34,6 +34,14 @@ PATCH = Patch(
 REQUIRES = ("index_group", "sparse_mla_attention")
 
 
+def in_tree(target: ModuleType) -> str | None:
+    """vLLM's own attention takes the leader's buffer from its impl (vllm PR #60734)."""
+    buffer = target.DeepseekV32Attention.__dict__.get("topk_indices_buffer")
+    if getattr(getattr(buffer, "fget", None), "__module__", None) != target.__name__:
+        return None
+    return "DeepseekV32Attention.topk_indices_buffer is the impl's (vllm PR #60734)"
+
+
 def _get(self: Any) -> Any:
     return self.impl.topk_indices_buffer
 

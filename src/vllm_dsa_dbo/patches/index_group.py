@@ -56,6 +56,28 @@ def _default_num_ubatches() -> int:
     return 1 if config is None else get_num_ubatches(config.parallel_config)
 
 
+def in_tree(target: ModuleType) -> str | None:
+    """vLLM's own PR #60734 builder: it keeps per-microbatch state only where a model
+    passes num_ubatches (DeepseekV32Model on CUDA), and starts every group wired."""
+    init = target.SparseMLAIndexGroupBuilder.__init__
+    if getattr(init, "__module__", None) != target.__name__ or not hasattr(
+        target.SparseMLAIndexGroup, "_topk_state"
+    ):
+        return None
+    try:
+        parameter = inspect.signature(init).parameters.get("num_ubatches")
+    except (TypeError, ValueError):  # a builder inspect cannot read
+        return None
+    if parameter is None:
+        return None
+    return (
+        "SparseMLAIndexGroupBuilder takes num_ubatches, default "
+        f"{parameter.default}, and SparseMLAIndexGroup._topk_state() resolves per microbatch "
+        "(vllm PR #60734): only builders given the count, DeepseekV32Model's on CUDA, "
+        "keep per-microbatch state"
+    )
+
+
 def check(target: ModuleType) -> str | None:
     return thread_registry_mismatch() or builder_mismatch(target.SparseMLAIndexGroupBuilder)
 

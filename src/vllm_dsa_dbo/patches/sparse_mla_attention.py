@@ -33,6 +33,18 @@ PATCH = Patch(
 REQUIRES = ("index_group",)
 
 
+def in_tree(target: ModuleType) -> str | None:
+    """vLLM's own getter resolves per microbatch (vllm PR #60734)."""
+    getter = getattr(
+        target.SharedTopkIndicesBuffer.__dict__.get("topk_indices_buffer"), "fget", None
+    )
+    if getattr(getter, "__module__", None) != target.__name__:
+        return None
+    if "resolve_logical_topk" not in getter.__code__.co_names:
+        return None
+    return "SharedTopkIndicesBuffer.topk_indices_buffer resolves per microbatch (vllm PR #60734)"
+
+
 def check(target: ModuleType) -> str | None:
     """The stock getter reads the two attributes the inline copy below reads."""
     stock = target.SharedTopkIndicesBuffer.__dict__.get("topk_indices_buffer")
