@@ -440,9 +440,7 @@ MUTATIONS = {
     ),
     "upstream-patch exits 0 on a tree it refuses": (
         "cli.py",
-        '        print(f"error: cannot patch {src}: {e}; nothing written", file=sys.stderr)\n'
-        "        return 1\n",
-        '        print(f"error: cannot patch {src}: {e}; nothing written", file=sys.stderr)\n'
+        '        raise UsageError(f"cannot patch {src}: {e}; nothing written") from None\n',
         "        return 0\n",
         UPSTREAM_REFUSAL_TEST,
     ),

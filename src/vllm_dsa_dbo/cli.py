@@ -424,14 +424,16 @@ def upstream_patch(args: argparse.Namespace) -> int:
     try:
         changes = upstream.plan(src)
     except upstream.PatchRefused as e:
-        print(f"error: cannot patch {src}: {e}; nothing written", file=sys.stderr)
-        return 1
+        raise UsageError(f"cannot patch {src}: {e}; nothing written") from None
     sys.stdout.writelines(upstream.unified_diff(changes))
     if args.dry_run:
         return 0
-    if out is not None:
-        shutil.copytree(src, out, symlinks=True)
-    upstream.write(out or src, changes)
+    try:
+        if out is not None:
+            shutil.copytree(src, out, symlinks=True)
+        upstream.write(out or src, changes)
+    except OSError as e:
+        raise UsageError(f"cannot write the patched tree to {out or src}: {e}") from None
     print(f"patched {len(changes)} files in {out or src}", file=sys.stderr)
     return 0
 
