@@ -155,7 +155,7 @@ def test_vllm_with_the_upstream_fix_is_left_alone(tmp_path):
         """
         import sys
         from vllm_dsa_dbo.cli import main
-        sys.exit(main(["status"]))
+        sys.exit(main(["status", "--check"]))
         """,
     )
     assert status.returncode == 0, status.stdout + status.stderr[-3000:]

@@ -76,10 +76,13 @@ def status(args: argparse.Namespace) -> int:
         vllm_version = version("vllm")
     except PackageNotFoundError:
         vllm_version = None
+    # The tests check every patch against the 0.33.0 release; any other build is checked here.
+    inspect_vllm = vllm_version is not None and (args.check or vllm_version != SUPPORTED_VLLM)
     if vllm_version is None:
         problems.append("vLLM is not installed")
         print(f"vLLM: not installed (supported: {SUPPORTED_VLLM})")
-    else:
+    elif inspect_vllm:
+        importing_vllm()
         from vllm_dsa_dbo import guard
 
         if guard.upstream_fix_present():
@@ -88,6 +91,7 @@ def status(args: argparse.Namespace) -> int:
                 "takes num_ubatches): the plugin stays out, nothing to do"
             )
             return 0
+    if vllm_version is not None:
         ok = is_supported_vllm(vllm_version)
         print(
             f"vLLM: {vllm_version} ({'supported' if ok else 'NOT supported'}; "
@@ -120,18 +124,57 @@ def status(args: argparse.Namespace) -> int:
         )
 
     errors: list[str] = []
+    checking, check = check_line(errors)
     try:
         disabled = disabled_by_env()
     except EnvValueError as e:
         errors.append(f"{e}; vLLM logs this and applies the fix")
         print(f"{DISABLE_ENV}: {env_shown(DISABLE_ENV)} NOT understood")
     else:
-        meaning = "the plugin patches nothing" if disabled else "fix on"
-        print(f"{DISABLE_ENV}: {env_shown(DISABLE_ENV)} ({meaning})")
+        meaning = "fix on"
         if disabled:
+            meaning = "fix off: the plugin patches nothing"
+            if checking is not None:
+                meaning = "fix off: the plugin installs only the isolation checker's patches"
             problems.append(f"{DISABLE_ENV} is set")
-    print(check_line(errors))
+        print(f"{DISABLE_ENV}: {env_shown(DISABLE_ENV)} ({meaning})")
+    print(check)
+    if inspect_vllm:
+        print_patches(problems)
+    else:
+        from vllm_dsa_dbo.diagnostics.isolation import CHECK_ENV
+        from vllm_dsa_dbo.patches import CHECK_PATCH_MODULES, PATCH_MODULES
 
+        print(
+            f"patches: {len(PATCH_MODULES)} ({len(CHECK_PATCH_MODULES)} more with {CHECK_ENV} "
+            "set), as tested on this vLLM release; `vllm-dsa-dbo status --check` lists them "
+            "and checks each against this install's vLLM code"
+        )
+
+    if problems:
+        print("fix NOT active: " + "; ".join(problems))
+    if errors:
+        raise UsageError("; ".join(errors))
+    if problems:
+        return 1
+    print("fix active: vLLM will apply it in every process")
+    return 0
+
+
+def importing_vllm() -> None:
+    """Say why `status` waits, and what for."""
+    # Importing vLLM's DeepSeek-V4.1 code starts two background kernel builds, each a Python
+    # process importing torch, which take the CPU and which this process waits for at exit.
+    os.environ.setdefault("HUMMING_DISABLE_PARALLEL_BUILD", "1")
+    print(
+        "status: importing vLLM's attention and model code to check the patches against it...",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def print_patches(problems: list[str]) -> None:
+    """Each patch, and why it would be left unapplied here; `problems` gets those that are."""
     from vllm_dsa_dbo.diagnostics.isolation import CHECK_ENV
     from vllm_dsa_dbo.patches import (
         CHECK_PATCH_MODULES,
@@ -141,7 +184,7 @@ def status(args: argparse.Namespace) -> int:
         wire,
     )
 
-    wiring = wire(apply=False) if vllm_version is not None and not problems else {}
+    wiring = {} if problems else wire(apply=False)
     print("patches:")
     for module in patch_modules():
         print_patch(module.PATCH)
@@ -154,15 +197,6 @@ def status(args: argparse.Namespace) -> int:
         print_patch(module.PATCH)
     if any(wiring.get(name) is not None for name in LOAD_CHECK_MODULES):
         print(f"guard: DBO with a shared-top-k DSA model is refused at {guard_seam()}")
-
-    if problems:
-        print("fix NOT active: " + "; ".join(problems))
-    if errors:
-        raise UsageError("; ".join(errors))
-    if problems:
-        return 1
-    print("fix active: vLLM will apply it in every process")
-    return 0
 
 
 def print_patch(patch: Patch) -> None:
@@ -180,17 +214,18 @@ def env_shown(name: str) -> str:
     return repr(os.environ[name]) if name in os.environ else "not set"
 
 
-def check_line(errors: list[str]) -> str:
-    """The status line for VLLM_DSA_DBO_CHECK; a value it does not know goes to `errors`."""
+def check_line(errors: list[str]) -> tuple[str | None, str]:
+    """The checker mode and the status line for VLLM_DSA_DBO_CHECK; a value it does not
+    know goes to `errors` (and means off, as in vLLM)."""
     from vllm_dsa_dbo.diagnostics.isolation import CHECK_ENV, mode_from_env
 
     try:
         mode = mode_from_env()
     except EnvValueError as e:
         errors.append(f"{e}; vLLM logs this and runs with the checker off")
-        return f"{CHECK_ENV}: {env_shown(CHECK_ENV)} NOT understood"
+        return None, f"{CHECK_ENV}: {env_shown(CHECK_ENV)} NOT understood"
     state = "off" if mode is None else f"on in every vLLM process, mode {mode}"
-    return f"{CHECK_ENV}: {env_shown(CHECK_ENV)} (isolation checker {state})"
+    return mode, f"{CHECK_ENV}: {env_shown(CHECK_ENV)} (isolation checker {state})"
 
 
 # memory ---------------------------------------------------------------------
@@ -448,6 +483,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("status", help="is the fix active in this environment (exit 1 if not)")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="list the patches and check each against this vLLM's code (imports it: slower); "
+        f"always done for a vLLM other than the {SUPPORTED_VLLM} release",
+    )
     p.set_defaults(func=status)
 
     p = sub.add_parser(
