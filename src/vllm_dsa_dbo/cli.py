@@ -398,7 +398,7 @@ def plugin_env() -> str | None:
 
 def ab_runs(args: argparse.Namespace) -> list:
     """The runs to compare, reference first: lm_eval folders or live endpoints."""
-    from vllm_dsa_dbo.ab import endpoint_runs, load_samples, prompts, read_docs
+    from vllm_dsa_dbo.ab import endpoint_runs, load_folders, prompts, read_docs
 
     if not args.endpoints:
         if len(args.runs) < 2:
@@ -413,7 +413,7 @@ def ab_runs(args: argparse.Namespace) -> list:
         for folder in args.runs:
             if not Path(folder).is_dir():
                 raise UsageError(f"{folder} is not a folder")
-        return [load_samples(Path(folder), args.task, args.metric) for folder in args.runs]
+        return load_folders([Path(folder) for folder in args.runs], args.task, args.metric)
     if args.runs:
         raise UsageError("give lm_eval folders or --endpoints, not both")
     if len(args.endpoints) < 2 or args.questions is None:
@@ -425,7 +425,9 @@ def ab_runs(args: argparse.Namespace) -> list:
     docs = read_docs(args.questions)
     shots = read_docs(args.fewshot) if args.num_fewshot else []
     texts = prompts(docs, shots, args.num_fewshot)
-    return endpoint_runs(args.endpoints, docs, texts, args.max_tokens, args.concurrency, args.model)
+    return endpoint_runs(
+        args.endpoints, docs, texts, args.max_tokens, args.concurrency, args.timeout, args.model
+    )
 
 
 def ab(args: argparse.Namespace) -> int:
@@ -563,6 +565,13 @@ def build_parser() -> argparse.ArgumentParser:
     live.add_argument("--model", help="model name to ask for (default: the endpoint's /models)")
     live.add_argument(
         "--concurrency", type=whole_number(1), default=64, help="requests in flight per endpoint"
+    )
+    live.add_argument(
+        "--timeout",
+        type=whole_number(1),
+        default=300,
+        metavar="SECONDS",
+        help="give up on an endpoint that sends nothing for this long (default 300)",
     )
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.set_defaults(func=ab)
