@@ -274,6 +274,11 @@ def test_memory_without_dbo_or_followers_is_zero(tmp_path):
             [],
             "index_topk must be a whole number >= 1, got 64.0",
         ),
+        (
+            '{"architectures": ["", "GlmMoeDsaForCausalLM"], "num_hidden_layers": 4}',
+            [],
+            "architectures must name the model class",
+        ),
         (f'{{{GLM}, "text_config": null}}', [], "text_config must be a JSON object, got null"),
         (f'{{{GLM}, "text_config": [1]}}', [], "text_config must be a JSON object, got [1]"),
         *[

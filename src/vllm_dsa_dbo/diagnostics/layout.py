@@ -149,7 +149,7 @@ def check_config(config: Mapping[str, Any], platform: str = "cuda") -> tuple[Cod
     if (
         not architectures
         or not isinstance(architectures, list)
-        or not all(isinstance(a, str) for a in architectures)
+        or not all(isinstance(a, str) and a for a in architectures)
     ):
         raise ConfigError(
             'architectures must name the model class, e.g. ["GlmMoeDsaForCausalLM"] '
