@@ -162,7 +162,7 @@ def status(args: argparse.Namespace) -> int:
 
 
 def importing_vllm() -> None:
-    """Say why `status` waits, and what for."""
+    """Say on stderr why `status` waits, and keep kernel builds from running behind it."""
     # Importing vLLM's DeepSeek-V4.1 code starts two background kernel builds, each a Python
     # process importing torch, which take the CPU and which this process waits for at exit.
     os.environ.setdefault("HUMMING_DISABLE_PARALLEL_BUILD", "1")

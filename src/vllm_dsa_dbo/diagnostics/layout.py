@@ -178,7 +178,8 @@ def check_config(config: Mapping[str, Any], platform: str = "cuda") -> tuple[Cod
 
 def built_class(architectures: list[str]) -> tuple[str, str | None]:
     """The architecture vLLM's registry resolves first in `architectures`, and the class
-    it builds for it (None where it knows none); vLLM is imported only past a DSA name."""
+    it builds for it (None where it knows none); the registry, which imports vLLM, is read
+    only where the first is not a DSA class."""
     if architectures[0] in CODE_PATHS:
         return architectures[0], architectures[0]
     from vllm.model_executor.models.registry import ModelRegistry
