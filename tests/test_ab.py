@@ -416,3 +416,75 @@ def test_bad_questions_urls_and_server_replies(tmp_path):
             assert result.returncode == 2, (args, result.stdout, result.stderr)
             assert message in result.stderr, (args, result.stderr)
             assert "Traceback" not in result.stderr
+
+
+def test_answers_that_are_no_number_are_refused(tmp_path):
+    (tmp_path / "abc.jsonl").write_text('{"question": "Why?", "answer": "because\\n#### abc"}\n')
+    (tmp_path / "blank.jsonl").write_text('{"question": "Why?", "answer": "because\\n#### "}\n')
+    with fake_openai(lambda prompt: "#### 0") as (up, received):
+        for name, shown in (("abc", "'abc'"), ("blank", "''")):
+            result = cli(
+                "ab", "--endpoints", up, up, "--questions", str(tmp_path / f"{name}.jsonl")
+            )
+            assert result.returncode == 2 and result.stdout == "", result.stderr
+            assert f"{name}.jsonl:1: the final answer {shown} is not a number" in result.stderr
+    assert received == []
+
+
+def test_questions_compared_by_the_fields_both_runs_carry(tmp_path):
+    """doc_hash in one run, doc only in the other: the same questions, compared."""
+    write_run(tmp_path / "hash", {"strict-match": [1, 0, 1]})
+    write_run(tmp_path / "doc", {"strict-match": [1, 1, 1]})
+    for folder, drop in (("hash", "doc"), ("doc", "doc_hash")):
+        path = tmp_path / folder / SAMPLES
+        samples = [json.loads(line) for line in path.read_text().splitlines()]
+        path.write_text(
+            "".join(json.dumps({k: v for k, v in s.items() if k != drop}) + "\n" for s in samples)
+        )
+    result = cli("ab", str(tmp_path / "hash"), str(tmp_path / "doc"), "--json")
+    assert result.returncode == 0, result.stderr
+    assert [(r["lost"], r["gained"]) for r in json.loads(result.stdout)] == [(None, None), (0, 1)]
+    assert "note: 3 doc ids of" in result.stderr and "not checked to be the same" in result.stderr
+
+
+def test_one_run_twice_is_refused(tmp_path):
+    write_run(tmp_path / "off" / "model", {"strict-match": [1, 0, 1]})
+    (tmp_path / "link").symlink_to(tmp_path / "off")
+    for other in ("off", "link", "off/model"):
+        result = cli("ab", str(tmp_path / "off"), str(tmp_path / other))
+        assert result.returncode == 2 and result.stdout == "", (other, result.stderr)
+        assert f"{tmp_path / 'off'} and {tmp_path / other} are one run" in result.stderr
+
+
+def test_metrics_and_filters_that_are_no_number_or_name_are_refused(tmp_path):
+    write_run(tmp_path / "off", {"strict-match": [1, 0, 1]})
+    for name, sample in {
+        "nan": '"exact_match": NaN',
+        "infinite": '"exact_match": Infinity',
+        "true": '"exact_match": true',
+        "text": '"exact_match": "1"',
+        "null_filter": '"exact_match": 1, "filter": null',
+        "number_filter": '"exact_match": 1, "filter": 3',
+    }.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / SAMPLES).write_text(f'{{"doc_id": 0, {sample}, "resps": []}}\n')
+        result = cli("ab", str(tmp_path / "off"), str(tmp_path / name))
+        assert result.returncode == 2 and "Traceback" not in result.stderr, (name, result.stderr)
+        assert f"{SAMPLES}:1: not an lm_eval sample with 'exact_match'" in result.stderr, name
+        assert ("not a name" if "filter" in name else "not a number") in result.stderr, name
+
+
+def test_endpoints_show_progress_and_time_out(tmp_path):
+    write_questions(tmp_path / "test.jsonl", 6)
+    questions = ["--questions", str(tmp_path / "test.jsonl")]
+    with fake_openai(lambda prompt: "#### 0") as (up, _):
+        result = cli("ab", "--endpoints", up, up, *questions)
+        assert result.returncode == 0, result.stderr
+        assert f"{up}: 100%" in result.stderr and "| 6/6 [" in result.stderr, result.stderr
+        with socket.socket() as listening:  # connections wait in its backlog, unanswered
+            listening.bind(("127.0.0.1", 0))
+            listening.listen()
+            silent = f"http://127.0.0.1:{listening.getsockname()[1]}/v1"
+            result = cli("ab", "--endpoints", up, silent, *questions, "--timeout", "1")
+    assert result.returncode == 2, result.stderr
+    assert f"{silent}/models: no answer within 1 s (--timeout)" in result.stderr

@@ -28,11 +28,11 @@ GLM = '"architectures": ["GlmMoeDsaForCausalLM"]'
 GLM_SIZE = '"num_hidden_layers": 78, "index_topk": 2048'
 
 
-def cli_without_torch(*args: str, **env: str) -> subprocess.CompletedProcess:
-    """`vllm-dsa-dbo ARGS`, then whether it imported torch (its last stdout line)."""
+def cli_without_torch(*args: str, module: str = "torch", **env: str) -> subprocess.CompletedProcess:
+    """`vllm-dsa-dbo ARGS`, then whether it imported `module` (its last stdout line)."""
     code = (
         "import sys\nfrom vllm_dsa_dbo.cli import main\ntry:\n    rc = main(sys.argv[1:])\n"
-        "finally:\n    print('torch imported:', 'torch' in sys.modules)\nsys.exit(rc)\n"
+        f"finally:\n    print('{module} imported:', {module!r} in sys.modules)\nsys.exit(rc)\n"
     )
     environ = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
     return subprocess.run(
@@ -51,10 +51,52 @@ def test_help_everywhere():
 
 
 def test_status_active():
-    result = cli("status")
+    result = cli("status", "--check")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "fix active" in result.stdout
     assert "vllm.v1.attention.backends.mla.index_group" in result.stdout
+    assert "status: importing vLLM's attention and model code" in result.stderr
+
+
+def test_status_on_the_release_imports_neither_torch_nor_vllm():
+    """What made it slow: vLLM's model code, imported to check the patches (`--check`)."""
+    result = cli_without_torch("status")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "fix active" in result.stdout and "status --check" in result.stdout
+    assert result.stdout.splitlines()[-1] == "torch imported: False"
+
+
+def test_status_check_starts_no_background_build():
+    """Importing DeepSeek-V4.1's code starts two kernel builds, each a Python process that
+    `status --check` would wait for at exit."""
+    code = (
+        "import psutil, sys\nfrom vllm_dsa_dbo.cli import main\nrc = main(['status', '--check'])\n"
+        "print('children:', len(psutil.Process().children(recursive=True)))\nsys.exit(rc)\n"
+    )
+    environ = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("VLLM_") and k != "HUMMING_DISABLE_PARALLEL_BUILD"
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=environ, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert "vllm.models.deepseek_v41.attention" in result.stdout
+    assert result.stdout.splitlines()[-1] == "children: 0"
+
+
+def test_status_with_the_fix_off_and_the_checker_on():
+    """register() then installs the checker's patches: not "the plugin patches nothing"."""
+    result = cli("status", VLLM_DSA_DBO_DISABLE="1", VLLM_DSA_DBO_CHECK="audit")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert (
+        "VLLM_DSA_DBO_DISABLE: '1' (fix off: the plugin installs only the isolation "
+        "checker's patches)"
+    ) in result.stdout
+    assert "patches nothing" not in result.stdout
+    alone = cli("status", VLLM_DSA_DBO_DISABLE="1")
+    assert "VLLM_DSA_DBO_DISABLE: '1' (fix off: the plugin patches nothing)" in alone.stdout
 
 
 @pytest.mark.parametrize(
@@ -233,6 +275,11 @@ def test_memory_without_dbo_or_followers_is_zero(tmp_path):
             [],
             "index_topk must be a whole number >= 1, got 64.0",
         ),
+        (
+            '{"architectures": ["", "GlmMoeDsaForCausalLM"], "num_hidden_layers": 4}',
+            [],
+            "architectures must name the model class",
+        ),
         (f'{{{GLM}, "text_config": null}}', [], "text_config must be a JSON object, got null"),
         (f'{{{GLM}, "text_config": [1]}}', [], "text_config must be a JSON object, got [1]"),
         *[
@@ -263,12 +310,6 @@ def test_memory_without_dbo_or_followers_is_zero(tmp_path):
                 ],
             ]
         ],
-        pytest.param(
-            '{"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 4, "index_topk": 64}',
-            [],
-            "LlamaForCausalLM is not a DSA model",
-            id="not-dsa",
-        ),
         (
             '{"architectures": ["HYV4ForCausalLM"], "num_hidden_layers": 3, "index_topk": 64, '
             '"indexer_types": ["full", "shared"]}',
@@ -333,6 +374,45 @@ def test_memory_bad_config(tmp_path, content, args, message):
     assert result.returncode == 2, result.stdout + result.stderr
     assert message in result.stderr and "Traceback" not in result.stderr, result.stderr
     assert result.stdout.splitlines()[-1] == "torch imported: False"
+
+
+@pytest.mark.parametrize(
+    "architectures, shown",
+    [
+        (["FooBarForCausalLM", "GlmMoeDsaForCausalLM"], "(GlmMoeDsaForCausalLM, 8 layers"),
+        (["DeepseekV3BidirectionalModel"], "(DeepseekV3BidirectionalModel, 8 layers"),
+        (["GlmMoeDsaForSequenceClassification"], "(GlmMoeDsaForSequenceClassification, 8"),
+        (["FooBarForCausalLM", "LlamaForCausalLM", "GlmMoeDsaForCausalLM"], "error: Llama"),
+        (["LlamaForCausalLM"], "error: LlamaForCausalLM"),
+        (["FooBarForCausalLM"], "error: FooBarForCausalLM"),
+    ],
+    ids=["first-resolvable", "alias", "adapter", "first-not-dsa", "not-dsa", "unknown"],
+)
+def test_memory_follows_the_architecture_vllm_builds(tmp_path, architectures, shown):
+    """vLLM's registry builds the first architecture it resolves (aliases and adapters too)."""
+    config = {"architectures": architectures, "num_hidden_layers": 8, "index_topk": 64}
+    (tmp_path / "config.json").write_text(json.dumps({**config, "index_topk_freq": 2}))
+    result = cli("memory", "--config", str(tmp_path))
+    if shown.startswith("error: "):
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+        [error] = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+        assert shown.removeprefix("error: ") in error and "is not a DSA model" in error
+    else:
+        assert result.returncode == 0, result.stderr
+        assert shown in result.stdout and "followers (3" in result.stdout
+        assert "extra bytes per GPU per extra microbatch: 2,896,652 (2.8 MiB)" in result.stdout
+
+
+def test_memory_stops_at_what_hy_v4s_config_class_refuses_before_its_model_code(tmp_path):
+    """HYV4Config refusing the file is known before vLLM's HYV4 model code is imported."""
+    (tmp_path / "config.json").write_text(
+        '{"architectures": ["HYV4ForCausalLM"], "num_hidden_layers": 8, "index_topk": 64, '
+        '"vocab_size": "x"}'
+    )
+    module = "vllm.models.hy_v4.nvidia.attention"
+    result = cli_without_torch("memory", "--config", str(tmp_path), module=module)
+    assert result.returncode == 2 and "HYV4Config refuses it" in result.stderr, result.stderr
+    assert result.stdout.splitlines()[-1] == f"{module} imported: False"
 
 
 @pytest.mark.parametrize(

@@ -299,3 +299,14 @@ def test_memory_reports_what_vllms_config_class_refuses(capsys, tmp_path):
     assert main(["memory", "--config", str(tmp_path)]) == 2
     error = capsys.readouterr().err
     assert "vLLM's HYV4Config refuses it: Validation error for field 'vocab_size'" in error
+
+
+def test_every_dsa_class_is_registered_under_its_own_name():
+    """`built_class` skips vLLM's registry for a first architecture that is a DSA class."""
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    from vllm_dsa_dbo.diagnostics.layout import CODE_PATHS
+
+    assert {name: ModelRegistry.models[name].class_name for name in CODE_PATHS} == {
+        name: name for name in CODE_PATHS
+    }

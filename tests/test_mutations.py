@@ -54,6 +54,7 @@ MEMORY_HYV4_TEST = "tests/test_memory.py::test_memory_is_what_hy_v4_allocates"
 MEMORY_ARCH_TEST = "tests/test_cli.py::test_memory_command_follows_the_architecture"
 MEMORY_V41_TEST = f"{MEMORY_ARCH_TEST}[deepseek-v41]"
 MEMORY_V41_ROCM_TEST = f"{MEMORY_ARCH_TEST}[deepseek-v41-rocm]"
+MEMORY_BUILT_TEST = "tests/test_cli.py::test_memory_follows_the_architecture_vllm_builds"
 AB_QUESTIONS_TEST = "tests/test_ab.py::test_runs_on_other_questions_are_refused"
 AB_TWO_RUNS_TEST = "tests/test_ab.py::test_a_folder_with_two_runs_is_refused"
 UPSTREAM = "tests/test_upstream_patch.py"
@@ -402,9 +403,9 @@ MUTATIONS = {
     ),
     "memory sizes any architecture with index_topk": (
         "diagnostics/layout.py",
-        "    if architecture not in CODE_PATHS:\n",
+        "    if model_class not in CODE_PATHS:\n",
         "    if False:\n",
-        f"{BAD_CONFIG}[not-dsa]",
+        f"{MEMORY_BUILT_TEST}[not-dsa]",
     ),
     "memory counts physical copies HYV4 does not make": (
         "cli.py",
@@ -468,9 +469,7 @@ MUTATIONS = {
     ),
     "upstream-patch exits 0 on a tree it refuses": (
         "cli.py",
-        '        print(f"error: cannot patch {src}: {e}; nothing written", file=sys.stderr)\n'
-        "        return 1\n",
-        '        print(f"error: cannot patch {src}: {e}; nothing written", file=sys.stderr)\n'
+        '        raise UsageError(f"cannot patch {src}: {e}; nothing written") from None\n',
         "        return 0\n",
         UPSTREAM_REFUSAL_TEST,
     ),
@@ -509,7 +508,7 @@ def copy_package(root: Path) -> Path:
         DEMO_RAISE_TEST,
         REGISTER_ENV_TEST,
         STATUS_ENV_TEST,
-        f"{BAD_CONFIG}[not-dsa]",
+        f"{MEMORY_BUILT_TEST}[not-dsa]",
         MEMORY_HYV4_TEST,
         MEMORY_V41_TEST,
         AB_QUESTIONS_TEST,

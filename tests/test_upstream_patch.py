@@ -21,6 +21,7 @@ import pytest
 
 import upstream_tree
 import vllm_sdist
+from test_cli import cli
 from test_vllm_own_tests import VLLM_TESTS
 from vllm_dsa_dbo import upstream
 from vllm_dsa_dbo.cli import main
@@ -215,7 +216,7 @@ def test_tree_missing_a_place_is_refused_and_nothing_written(
     assert file.read_text().count(old) == 1
     file.write_text(file.read_text().replace(old, new))
     before = snapshot(tree)
-    assert main(["upstream-patch", str(tree)]) == 1
+    assert main(["upstream-patch", str(tree)]) == 2
     err = capsys.readouterr().err
     assert f"{path}: " in err and place in err and "nothing written" in err, err
     assert snapshot(tree) == before
@@ -226,7 +227,7 @@ def test_already_patched_tree_is_refused_and_nothing_written(tmp_path, capsys):
     assert main(["upstream-patch", str(tree)]) == 0
     capsys.readouterr()
     before = snapshot(tree)
-    assert main(["upstream-patch", str(tree)]) == 1
+    assert main(["upstream-patch", str(tree)]) == 2
     err = capsys.readouterr().err
     assert "already" in err and "the tree carries the fix" in err and "nothing written" in err
     assert snapshot(tree) == before
@@ -251,10 +252,42 @@ def test_bad_source_is_an_error(tmp_path, capsys, what):
     else:
         args += ["--out", str(tmp_path)]
     before = snapshot(tmp_path)
-    assert main(args) in (1, 2)
+    assert main(args) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and len(err.splitlines()) == 1, err
     assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b"<<<<<<< HEAD\nx = 1\n=======\nx = 2\n>>>>>>> fix\n", "line 1: not valid Python"),
+        (b"def f(:\n    pass\n", "line 1: not valid Python: invalid syntax"),
+        (b"x = '\xe9'\n", "byte 5: not UTF-8 text (invalid continuation byte)"),
+        (b"x = 1\0\n", "not valid Python: source code string cannot contain null bytes"),
+    ],
+    ids=["conflict markers", "syntax error", "latin-1 byte", "null byte"],
+)
+def test_tree_with_a_file_that_is_not_python_is_refused(tmp_path, content, message):
+    """A tree whose file is not UTF-8 Python: one error line naming the file, exit 2."""
+    tree = small_tree(tmp_path / "tree")
+    (tree / upstream.DSV32_MODEL).write_bytes(content)
+    before = snapshot(tmp_path)
+    result = cli("upstream-patch", str(tree))
+    assert result.returncode == 2 and result.stdout == "", result.stderr
+    assert result.stderr.startswith("error: ") and len(result.stderr.splitlines()) == 1
+    assert f"{upstream.DSV32_MODEL}: " in result.stderr and message in result.stderr, result.stderr
+    assert snapshot(tmp_path) == before
+
+
+def test_out_that_cannot_be_written_is_an_error(tmp_path):
+    tree = small_tree(tmp_path / "tree")
+    (tmp_path / "file").write_text("")
+    result = cli("upstream-patch", "--out", str(tmp_path / "file" / "copy"), str(tree))
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.splitlines()[-1].startswith(
+        f"error: cannot write the patched tree to {tmp_path / 'file' / 'copy'}: "
+    )
 
 
 def test_released_tree_patched_passes_dbo_ubatch_and_vllm_tests_unchanged(tmp_path):

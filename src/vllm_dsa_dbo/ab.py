@@ -19,18 +19,21 @@ import json
 import math
 import random
 import re
+import sys
 import urllib.error
 import urllib.parse
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+
+from tqdm.contrib.concurrent import thread_map
 
 STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")
 FLEXIBLE = re.compile(r"(-?[$0-9.,]{2,})|(-?[0-9]+)")
 IGNORED = [",", r"\$", r"(?s).*#### ", r"\.$"]
+# lm_eval's target is the text after "#### ", which only a number can match.
+NUMBER = re.compile(r"-?[0-9.]*[0-9][0-9.]*")
 STOP = "Question:"
-TIMEOUT_S = 300
 # lm_eval's aiohttp client ignores proxy variables too; endpoints are reached directly.
 OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -42,12 +45,12 @@ class ABError(Exception):
 @dataclass(frozen=True)
 class Run:
     """Per filter, whether each question (doc id) was answered right; each question's
-    output, and what identifies the question itself (None where the run does not say)."""
+    output, and what identifies the question itself (by field, those the run carries)."""
 
     name: str
     correct: dict[str, dict[int, bool]]
     responses: dict[int, object]
-    questions: dict[int, str | None]
+    questions: dict[int, dict[str, str]]
 
 
 @dataclass(frozen=True)
@@ -94,12 +97,25 @@ def samples_file(folder: Path, task: str) -> Path:
     return files[0]
 
 
-def load_samples(folder: Path, task: str, metric: str) -> Run:
+def load_folders(folders: list[Path], task: str, metric: str) -> list[Run]:
+    """The runs in `folders`, each a samples file of its own."""
+    files = [samples_file(folder, task) for folder in folders]
+    seen: dict[Path, Path] = {}
+    for folder, file in zip(folders, files):
+        if file.resolve() in seen:
+            raise ABError(
+                f"{seen[file.resolve()]} and {folder} are one run ({file.name}): give the "
+                "folders of two lm_eval runs"
+            )
+        seen[file.resolve()] = folder
+    return [load_samples(file, str(folder), metric) for folder, file in zip(folders, files)]
+
+
+def load_samples(path: Path, name: str, metric: str) -> Run:
     """A run from lm_eval's samples_<task>_<date>.jsonl (`resps` is the generated text)."""
-    path = samples_file(folder, task)
     correct: dict[str, dict[int, bool]] = {}
     responses: dict[int, object] = {}
-    questions: dict[int, str | None] = {}
+    questions: dict[int, dict[str, str]] = {}
     for number, line in enumerate(read_text(path).splitlines(), 1):
         if not line.strip():
             continue
@@ -108,10 +124,13 @@ def load_samples(folder: Path, task: str, metric: str) -> Run:
             doc_id = sample["doc_id"]
             if not isinstance(doc_id, int) or isinstance(doc_id, bool):
                 raise TypeError(f"doc_id {doc_id!r} is not a whole number")
-            answers = correct.setdefault(sample.get("filter", "none"), {})
+            filter_name = sample.get("filter", "none")
+            if not isinstance(filter_name, str):
+                raise TypeError(f"filter {filter_name!r} is not a name")
+            answers = correct.setdefault(filter_name, {})
             if doc_id in answers:
                 raise ValueError(f"doc_id {doc_id} appears twice")
-            answers[doc_id] = float(sample[metric]) >= 1.0
+            answers[doc_id] = metric_value(sample[metric]) >= 1.0
             responses[doc_id] = sample["resps"]
             question = question_of(sample)
         except (ValueError, KeyError, TypeError) as e:
@@ -120,14 +139,22 @@ def load_samples(folder: Path, task: str, metric: str) -> Run:
             raise ABError(f"{path}:{number}: doc_id {doc_id} holds another question than before")
     if not correct:
         raise ABError(f"{path}: no samples")
-    return Run(str(folder), correct, responses, questions)
+    return Run(name, correct, responses, questions)
 
 
-def question_of(sample: dict) -> str | None:
-    """What identifies a sample's question: lm_eval's doc_hash, else the doc itself."""
-    if "doc_hash" in sample:
-        return str(sample["doc_hash"])
-    return json.dumps(sample["doc"], sort_keys=True) if "doc" in sample else None
+def metric_value(value: object) -> float:
+    """A per-sample metric; a count of right answers has no room for NaN, text or a bool."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"the metric is {value!r}, not a number")
+    return value
+
+
+def question_of(sample: dict) -> dict[str, str]:
+    """What identifies a sample's question: lm_eval's doc_hash and the doc, where present."""
+    fields = {"doc_hash": str(sample["doc_hash"])} if "doc_hash" in sample else {}
+    if "doc" in sample:
+        fields["doc"] = json.dumps(sample["doc"], sort_keys=True)
+    return fields
 
 
 def compare(runs: list[Run]) -> list[Comparison]:
@@ -157,21 +184,30 @@ def compare(runs: list[Run]) -> list[Comparison]:
 
 
 def check_same_questions(ref: Run, run: Run) -> None:
-    """Runs compare question by question only if each doc id is the same question."""
+    """Runs compare question by question only if each doc id is the same question, by
+    each field both runs carry for it."""
     if run.correct.keys() != ref.correct.keys():
         raise ABError(
             f"{run.name}: filters {sorted(run.correct)} are not {ref.name}'s {sorted(ref.correct)}"
         )
-    differ = [
-        q
-        for q, key in run.questions.items()
-        if key is not None and ref.questions.get(q) not in (None, key)
-    ]
+    differ, unchecked = [], 0
+    for q, fields in run.questions.items():
+        theirs = ref.questions.get(q, {})
+        shared = fields.keys() & theirs.keys()
+        unchecked += not shared
+        if any(fields[f] != theirs[f] for f in shared):
+            differ.append(q)
     if differ:
         raise ABError(
             f"{run.name}: {len(differ)} doc ids (first {min(differ)}) hold other questions "
             f"than in {ref.name} (their doc / doc_hash differ): compare runs of one task "
             "on the same questions"
+        )
+    if unchecked:
+        print(
+            f"note: {unchecked} doc ids of {run.name} share no doc or doc_hash field with "
+            f"{ref.name}: not checked to be the same questions",
+            file=sys.stderr,
         )
 
 
@@ -210,6 +246,11 @@ def read_docs(path: Path) -> list[dict[str, str]]:
             raise ABError(f"{path}:{number}: not a GSM8K question/answer line: {e}") from None
         if "#### " not in answer:
             raise ABError(f"{path}:{number}: the answer has no '#### <number>' final answer")
+        if not NUMBER.fullmatch(_normalise(answer)):
+            raise ABError(
+                f"{path}:{number}: the final answer {answer.rsplit('#### ', 1)[1]!r} is not "
+                "a number, which '#### <number>' needs"
+            )
         docs.append({"question": question, "answer": answer})
     if not docs:
         raise ABError(f"{path}: no questions")
@@ -254,15 +295,17 @@ def score(text: str, answer: str) -> dict[str, bool]:
     }
 
 
-def _call(url: str, payload: dict | None = None) -> dict:
+def _call(url: str, timeout: float, payload: dict | None = None) -> dict:
     data = None if payload is None else json.dumps(payload).encode()
     request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
     try:
-        with OPENER.open(request, timeout=TIMEOUT_S) as response:
+        with OPENER.open(request, timeout=timeout) as response:
             body = response.read()
     except urllib.error.HTTPError as e:
         raise ABError(f"{url}: HTTP {e.code}: {e.read()[:300].decode(errors='replace')}") from None
-    except urllib.error.URLError as e:
+    except (TimeoutError, urllib.error.URLError) as e:
+        if isinstance(getattr(e, "reason", e), TimeoutError):
+            raise ABError(f"{url}: no answer within {timeout:g} s (--timeout)") from None
         raise ABError(f"cannot reach {url}: {e.reason}") from None
     except http.client.HTTPException as e:
         raise ABError(f"{url}: not an HTTP answer: {e!r}") from None
@@ -274,8 +317,8 @@ def _call(url: str, payload: dict | None = None) -> dict:
         raise ABError(f"{url}: the answer is not JSON: {body[:300]!r}") from None
 
 
-def served_model(base_url: str) -> str:
-    body = _call(f"{base_url}/models")
+def served_model(base_url: str, timeout: float) -> str:
+    body = _call(f"{base_url}/models", timeout)
     try:
         model = body["data"][0]["id"]
     except (KeyError, IndexError, TypeError):
@@ -285,7 +328,7 @@ def served_model(base_url: str) -> str:
     return model
 
 
-def complete(base_url: str, model: str, prompt: str, max_tokens: int) -> str:
+def complete(base_url: str, model: str, prompt: str, max_tokens: int, timeout: float) -> str:
     payload = {
         "model": model,
         "prompt": prompt,
@@ -293,7 +336,7 @@ def complete(base_url: str, model: str, prompt: str, max_tokens: int) -> str:
         "temperature": 0,
         "stop": [STOP],
     }
-    body = _call(f"{base_url}/completions", payload)
+    body = _call(f"{base_url}/completions", timeout, payload)
     try:
         text = body["choices"][0]["text"]
     except (KeyError, IndexError, TypeError):
@@ -310,10 +353,18 @@ def query(
     texts: list[str],
     max_tokens: int,
     concurrency: int,
+    timeout: float,
 ) -> Run:
-    """A run from one endpoint: prompt `texts[i]` for `docs[i]`, `concurrency` in flight."""
-    with ThreadPoolExecutor(concurrency) as pool:
-        outputs = list(pool.map(lambda text: complete(base_url, model, text, max_tokens), texts))
+    """A run from one endpoint: prompt `texts[i]` for `docs[i]`, `concurrency` in flight,
+    with a progress bar on stderr."""
+    outputs = thread_map(
+        lambda text: complete(base_url, model, text, max_tokens, timeout),
+        texts,
+        max_workers=concurrency,
+        desc=base_url,
+        unit="question",
+        file=sys.stderr,
+    )
     correct: dict[str, dict[int, bool]] = {}
     for doc_id, (doc, output) in enumerate(zip(docs, outputs)):
         for filter_name, right in score(output, doc["answer"]).items():
@@ -322,7 +373,7 @@ def query(
         base_url,
         correct,
         dict(enumerate(outputs)),
-        {i: doc["question"] for i, doc in enumerate(docs)},
+        {i: {"doc": json.dumps(doc, sort_keys=True)} for i, doc in enumerate(docs)},
     )
 
 
@@ -332,6 +383,7 @@ def endpoint_runs(
     texts: list[str],
     max_tokens: int,
     concurrency: int,
+    timeout: float,
     model: str | None = None,
 ) -> list[Run]:
     """Every endpoint must name its model (or be given one) before any is queried."""
@@ -344,10 +396,12 @@ def endpoint_runs(
             parts = None
         if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
             raise ABError(f"{url} is not an http(s) URL, e.g. http://127.0.0.1:8000/v1")
-    models = [model or served_model(url) for url in urls]
+    models = [model or served_model(url, timeout) for url in urls]
     if len(set(models)) > 1:
         raise ABError(
             f"the endpoints serve different models ({', '.join(models)}): compare one model "
             "with DBO off and on, or give --model to ask each for the same name"
         )
-    return [query(url, m, docs, texts, max_tokens, concurrency) for url, m in zip(urls, models)]
+    return [
+        query(url, m, docs, texts, max_tokens, concurrency, timeout) for url, m in zip(urls, models)
+    ]

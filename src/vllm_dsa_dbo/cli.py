@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import base64
+import hashlib
 import json
 import os
 import shutil
 import subprocess
 import sys
-from importlib.metadata import PackageNotFoundError, entry_points, version
+from importlib.metadata import PackageNotFoundError, distribution, entry_points, version
+from importlib.util import find_spec
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -83,6 +86,8 @@ def status(args: argparse.Namespace) -> int:
         vllm_version = version("vllm")
     except PackageNotFoundError:
         vllm_version = None
+    # The tests check every patch against the 0.33.0 release; any other vLLM is checked here.
+    inspect_vllm = vllm_version is not None and (args.check or not unmodified_release())
     if vllm_version is None:
         problems.append("vLLM is not installed")
         print(f"vLLM: not installed (supported: {SUPPORTED_VLLM})")
@@ -119,17 +124,78 @@ def status(args: argparse.Namespace) -> int:
         )
 
     errors: list[str] = []
+    checking, check = check_line(errors)
     try:
         disabled = disable_mode()
     except EnvValueError as e:
         errors.append(f"{e}; vLLM logs this and applies the fix")
         print(f"{DISABLE_ENV}: {env_shown(DISABLE_ENV)} NOT understood")
     else:
-        print(f"{DISABLE_ENV}: {env_shown(DISABLE_ENV)} ({DISABLE_MEANING[disabled]})")
+        meaning = DISABLE_MEANING[disabled]
+        if disabled and checking is not None:
+            meaning += "; the isolation checker's patches still go in"
         if disabled:
             problems.append(f"{DISABLE_ENV} is set")
-    print(check_line(errors))
+        print(f"{DISABLE_ENV}: {env_shown(DISABLE_ENV)} ({meaning})")
+    print(check)
+    if inspect_vllm:
+        importing_vllm()
+        print_patches(problems)
+    else:
+        from vllm_dsa_dbo.diagnostics.isolation import CHECK_ENV
+        from vllm_dsa_dbo.patches import CHECK_PATCH_MODULES, PATCH_MODULES
 
+        print(
+            f"patches: {len(PATCH_MODULES)} ({len(CHECK_PATCH_MODULES)} more with {CHECK_ENV} "
+            "set), as tested on this vLLM release; `vllm-dsa-dbo status --check` lists them "
+            "and checks each against this install's vLLM code"
+        )
+
+    if problems:
+        print("fix NOT active: " + "; ".join(problems))
+    if errors:
+        raise UsageError("; ".join(errors))
+    if problems:
+        return 1
+    print("fix active: vLLM will apply it in every process")
+    return 0
+
+
+def unmodified_release() -> bool:
+    """The vLLM that imports here is 0.33.0 as published: installed from an index, every
+    Python file as its RECORD lists it (not an edited, locally built or shadowing tree)."""
+    dist = distribution("vllm")
+    spec = find_spec("vllm")
+    if (
+        dist.version != SUPPORTED_VLLM
+        or dist.read_text("direct_url.json") is not None
+        or spec is None
+        or spec.origin is None
+        or Path(spec.origin).parent != Path(dist.locate_file("vllm"))
+    ):
+        return False
+    for file in dist.files or ():
+        if file.hash is not None and file.name.endswith(".py"):
+            digest = base64.urlsafe_b64encode(hashlib.sha256(file.read_binary()).digest())
+            if digest.rstrip(b"=").decode() != file.hash.value:
+                return False
+    return True
+
+
+def importing_vllm() -> None:
+    """Say on stderr why `status` waits, and keep kernel builds from running behind it."""
+    # Importing vLLM's DeepSeek-V4.1 code starts two background kernel builds, each a Python
+    # process importing torch, which take the CPU and which this process waits for at exit.
+    os.environ.setdefault("HUMMING_DISABLE_PARALLEL_BUILD", "1")
+    print(
+        "status: importing vLLM's attention and model code to check the patches against it...",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def print_patches(problems: list[str]) -> None:
+    """Each patch, and why it would be left unapplied here; `problems` gets those that are."""
     from vllm_dsa_dbo.diagnostics.isolation import CHECK_ENV
     from vllm_dsa_dbo.patches import (
         CARRIED,
@@ -140,7 +206,7 @@ def status(args: argparse.Namespace) -> int:
         wire,
     )
 
-    wiring = wire(apply=False) if vllm_version is not None and not problems else {}
+    wiring = {} if problems else wire(apply=False)
     print("patches:")
     for module in patch_modules():
         print_patch(module.PATCH)
@@ -159,14 +225,6 @@ def status(args: argparse.Namespace) -> int:
     if CARRIED:
         own = [name for name, reason in wiring.items() if reason is None and name not in CARRIED]
         print(f"this vLLM carries {', '.join(CARRIED)}; the plugin applies {', '.join(own)}")
-    if problems:
-        print("fix NOT active: " + "; ".join(problems))
-    if errors:
-        raise UsageError("; ".join(errors))
-    if problems:
-        return 1
-    print("fix active: vLLM will apply it in every process")
-    return 0
 
 
 def print_patch(patch: Patch) -> None:
@@ -184,17 +242,18 @@ def env_shown(name: str) -> str:
     return repr(os.environ[name]) if name in os.environ else "not set"
 
 
-def check_line(errors: list[str]) -> str:
-    """The status line for VLLM_DSA_DBO_CHECK; a value it does not know goes to `errors`."""
+def check_line(errors: list[str]) -> tuple[str | None, str]:
+    """The checker mode and the status line for VLLM_DSA_DBO_CHECK; a value it does not
+    know goes to `errors` (and means off, as in vLLM)."""
     from vllm_dsa_dbo.diagnostics.isolation import CHECK_ENV, mode_from_env
 
     try:
         mode = mode_from_env()
     except EnvValueError as e:
         errors.append(f"{e}; vLLM logs this and runs with the checker off")
-        return f"{CHECK_ENV}: {env_shown(CHECK_ENV)} NOT understood"
+        return None, f"{CHECK_ENV}: {env_shown(CHECK_ENV)} NOT understood"
     state = "off" if mode is None else f"on in every vLLM process, mode {mode}"
-    return f"{CHECK_ENV}: {env_shown(CHECK_ENV)} (isolation checker {state})"
+    return mode, f"{CHECK_ENV}: {env_shown(CHECK_ENV)} (isolation checker {state})"
 
 
 # memory ---------------------------------------------------------------------
@@ -367,7 +426,7 @@ def plugin_env() -> str | None:
 
 def ab_runs(args: argparse.Namespace) -> list:
     """The runs to compare, reference first: lm_eval folders or live endpoints."""
-    from vllm_dsa_dbo.ab import endpoint_runs, load_samples, prompts, read_docs
+    from vllm_dsa_dbo.ab import endpoint_runs, load_folders, prompts, read_docs
 
     if not args.endpoints:
         if len(args.runs) < 2:
@@ -382,7 +441,7 @@ def ab_runs(args: argparse.Namespace) -> list:
         for folder in args.runs:
             if not Path(folder).is_dir():
                 raise UsageError(f"{folder} is not a folder")
-        return [load_samples(Path(folder), args.task, args.metric) for folder in args.runs]
+        return load_folders([Path(folder) for folder in args.runs], args.task, args.metric)
     if args.runs:
         raise UsageError("give lm_eval folders or --endpoints, not both")
     if len(args.endpoints) < 2 or args.questions is None:
@@ -394,7 +453,9 @@ def ab_runs(args: argparse.Namespace) -> list:
     docs = read_docs(args.questions)
     shots = read_docs(args.fewshot) if args.num_fewshot else []
     texts = prompts(docs, shots, args.num_fewshot)
-    return endpoint_runs(args.endpoints, docs, texts, args.max_tokens, args.concurrency, args.model)
+    return endpoint_runs(
+        args.endpoints, docs, texts, args.max_tokens, args.concurrency, args.timeout, args.model
+    )
 
 
 def ab(args: argparse.Namespace) -> int:
@@ -428,14 +489,16 @@ def upstream_patch(args: argparse.Namespace) -> int:
     try:
         changes = upstream.plan(src)
     except upstream.PatchRefused as e:
-        print(f"error: cannot patch {src}: {e}; nothing written", file=sys.stderr)
-        return 1
+        raise UsageError(f"cannot patch {src}: {e}; nothing written") from None
     sys.stdout.writelines(upstream.unified_diff(changes))
     if args.dry_run:
         return 0
-    if out is not None:
-        shutil.copytree(src, out, symlinks=True)
-    upstream.write(out or src, changes)
+    try:
+        if out is not None:
+            shutil.copytree(src, out, symlinks=True)
+        upstream.write(out or src, changes)
+    except OSError as e:
+        raise UsageError(f"cannot write the patched tree to {out or src}: {e}") from None
     print(f"patched {len(changes)} files in {out or src}", file=sys.stderr)
     return 0
 
@@ -450,6 +513,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("status", help="is the fix active in this environment (exit 1 if not)")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="list the patches and check each against this vLLM's code (imports it: slower); "
+        f"always done for a vLLM other than the {SUPPORTED_VLLM} release",
+    )
     p.set_defaults(func=status)
 
     p = sub.add_parser(
@@ -524,6 +593,13 @@ def build_parser() -> argparse.ArgumentParser:
     live.add_argument("--model", help="model name to ask for (default: the endpoint's /models)")
     live.add_argument(
         "--concurrency", type=whole_number(1), default=64, help="requests in flight per endpoint"
+    )
+    live.add_argument(
+        "--timeout",
+        type=whole_number(1),
+        default=300,
+        metavar="SECONDS",
+        help="give up on an endpoint that sends nothing for this long (default 300)",
     )
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.set_defaults(func=ab)

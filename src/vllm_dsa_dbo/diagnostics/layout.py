@@ -62,7 +62,8 @@ _MINIMAX_M3 = {
 }
 _GLM5_NEXT = _on_both(CodePath("vllm/models/glm5next", None, UNSHARED))
 
-# Every vLLM 0.33.0 DSA architecture (the README's coverage table), by platform.
+# Every vLLM 0.33.0 DSA model class (the README's coverage table), by platform; vLLM
+# registers each under its own name.
 CODE_PATHS: dict[str, dict[str, CodePath]] = {
     "GlmMoeDsaForCausalLM": _V32,
     "DeepseekV32ForCausalLM": _V32,
@@ -148,20 +149,20 @@ def check_config(config: Mapping[str, Any], platform: str = "cuda") -> tuple[Cod
     if (
         not architectures
         or not isinstance(architectures, list)
-        or not all(isinstance(a, str) for a in architectures)
+        or not all(isinstance(a, str) and a for a in architectures)
     ):
         raise ConfigError(
             'architectures must name the model class, e.g. ["GlmMoeDsaForCausalLM"] '
             f"(vLLM picks its code from it), got {_describe(architectures)}"
         )
-    architecture = architectures[0]
-    if architecture not in CODE_PATHS:
+    architecture, model_class = built_class(architectures)
+    if model_class not in CODE_PATHS:
         raise ConfigError(
             f"{architecture} is not a DSA model: vLLM 0.33.0 builds no layer that hands "
             "top-k to another for it, and the plugin allocates nothing (the README's "
             "coverage table lists the DSA architectures)"
         )
-    path = CODE_PATHS[architecture][platform]
+    path = CODE_PATHS[model_class][platform]
     num_layers = _whole(text, "num_hidden_layers", None, 1)
     if num_layers > MAX_LAYERS:
         raise ConfigError(f"num_hidden_layers must be at most {MAX_LAYERS:,}, got {num_layers:,}")
@@ -172,7 +173,23 @@ def check_config(config: Mapping[str, Any], platform: str = "cuda") -> tuple[Cod
         )
     _whole(text, "index_topk", None, 1)
     _RULE_CHECKS.get(path.rule, lambda text: None)(text)
-    return path, {**text, "architectures": architectures}
+    return path, {**text, "architectures": [architecture]}
+
+
+def built_class(architectures: list[str]) -> tuple[str, str | None]:
+    """The architecture vLLM's registry resolves first in `architectures`, and the class
+    it builds for it (None where it knows none); the registry, which imports vLLM, is read
+    only where the first is not a DSA class."""
+    if architectures[0] in CODE_PATHS:
+        return architectures[0], architectures[0]
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    for architecture in architectures:
+        # As resolve_model_cls: aliases and adapter suffixes (ForSequenceClassification) too.
+        normalized = ModelRegistry._normalize_arch(architecture, SimpleNamespace())
+        if normalized in ModelRegistry.models:
+            return architecture, ModelRegistry.models[normalized].class_name
+    return architectures[0], None
 
 
 def _check_dsa(text: Mapping[str, Any]) -> None:
@@ -266,13 +283,15 @@ def leader_mask(config: Mapping[str, Any]) -> list[bool]:
 def _hy_v4_roles(text: dict) -> tuple[list[int], list[int], list[str]]:
     """HYV4MLAAttention's sparse layers and skip_topk, from vLLM's HYV4Config."""
     from huggingface_hub.errors import StrictDataclassError
-    from vllm.models.hy_v4.nvidia.attention import _SPARSE_LAYER_TYPES, compute_skip_topk_layers
     from vllm.transformers_utils.configs.hy_v4 import HYV4Config
 
     try:
         config = HYV4Config.from_dict(text)
     except (StrictDataclassError, TypeError, ValueError) as e:
         raise ConfigError(f"vLLM's HYV4Config refuses it: {e}") from None
+    # Only now: the model code takes twice as long to import as the config class.
+    from vllm.models.hy_v4.nvidia.attention import _SPARSE_LAYER_TYPES, compute_skip_topk_layers
+
     skip = compute_skip_topk_layers(config)
     kinds = config.layer_types or []
     sparse = [

@@ -576,6 +576,20 @@ def new_test_text() -> str:
     return (resources.files(__package__) / "test_sparse_mla_dbo_ubatch.py").read_text()
 
 
+def read_source(file: Path, path: str) -> Source:
+    """`file` parsed, or a refusal: a tree may hold anything, even where vLLM's code should be."""
+    try:
+        return Source(path, file.read_bytes().decode("utf-8"))
+    except OSError as e:
+        raise PatchRefused(path, "file", f"cannot be read: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise PatchRefused(path, f"byte {e.start}", f"not UTF-8 text ({e.reason})") from None
+    except SyntaxError as e:
+        raise PatchRefused(path, f"line {e.lineno}", f"not valid Python: {e.msg}") from None
+    except ValueError as e:  # a null byte
+        raise PatchRefused(path, "file", f"not valid Python: {e}") from None
+
+
 def plan(root: Path) -> dict[str, tuple[str, str]]:
     """Each file the fix touches under `root`: (its text, the patched text).
 
@@ -588,7 +602,7 @@ def plan(root: Path) -> dict[str, tuple[str, str]]:
         file = root / path
         if not file.is_file():
             raise PatchRefused(path, "file", "missing in this tree")
-        source = Source(path, file.read_text())
+        source = read_source(file, path)
         edit(source)
         patched = source.patched()
         try:
