@@ -91,12 +91,15 @@ def test_status_with_the_fix_off_and_the_checker_on():
     result = cli("status", VLLM_DSA_DBO_DISABLE="1", VLLM_DSA_DBO_CHECK="audit")
     assert result.returncode == 1, result.stdout + result.stderr
     assert (
-        "VLLM_DSA_DBO_DISABLE: '1' (fix off: the plugin installs only the isolation "
-        "checker's patches)"
+        "VLLM_DSA_DBO_DISABLE: '1' (fix off, DBO with shared top-k refused; the plugin "
+        "installs only the isolation checker's patches)"
     ) in result.stdout
     assert "patches nothing" not in result.stdout
     alone = cli("status", VLLM_DSA_DBO_DISABLE="1")
-    assert "VLLM_DSA_DBO_DISABLE: '1' (fix off: the plugin patches nothing)" in alone.stdout
+    assert (
+        "VLLM_DSA_DBO_DISABLE: '1' (fix off, DBO with shared top-k refused; the plugin patches "
+        "nothing)"
+    ) in alone.stdout
 
 
 @pytest.mark.parametrize(

@@ -51,8 +51,8 @@ GLM53 = {
 PRESETS = {"glm-5.3": GLM53}
 DISABLE_MEANING = {
     None: "fix on",
-    REFUSE: "the plugin patches nothing and refuses DBO with shared top-k",
-    STOCK: "stock vLLM: nothing patched, nothing refused, DBO outputs corrupted",
+    REFUSE: "fix off, DBO with shared top-k refused",
+    STOCK: "stock vLLM: nothing refused, DBO outputs corrupted",
 }
 # `python -m vllm_dsa_dbo.demo` exits with this when a read crossed microbatches.
 DEMO_CROSSED = 3
@@ -132,9 +132,12 @@ def status(args: argparse.Namespace) -> int:
         print(f"{DISABLE_ENV}: {env_shown(DISABLE_ENV)} NOT understood")
     else:
         meaning = DISABLE_MEANING[disabled]
-        if disabled and checking is not None:
-            meaning += "; the isolation checker's patches still go in"
         if disabled:
+            meaning += (
+                "; the plugin patches nothing"
+                if checking is None
+                else "; the plugin installs only the isolation checker's patches"
+            )
             problems.append(f"{DISABLE_ENV} is set")
         print(f"{DISABLE_ENV}: {env_shown(DISABLE_ENV)} ({meaning})")
     print(check)
