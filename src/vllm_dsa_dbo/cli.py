@@ -429,7 +429,7 @@ def upstream_patch(args: argparse.Namespace) -> int:
         changes = upstream.plan(src)
     except upstream.PatchRefused as e:
         print(f"error: cannot patch {src}: {e}; nothing written", file=sys.stderr)
-        return 1
+        return 2
     sys.stdout.writelines(upstream.unified_diff(changes))
     if args.dry_run:
         return 0
