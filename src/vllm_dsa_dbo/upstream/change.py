@@ -1,7 +1,7 @@
-"""The in-tree change, as data: per vLLM file, the top-level statements it edits
-(named as `spans` names them), the sha256 of each as in vLLM 0.33.0 and as
-changed, and the edits: lines [first, last) of the statement replaced by new
-lines, all written here."""
+"""The in-tree change, as data: per vLLM file, each top-level statement it edits
+(named as `statement_name` names it), the sha256 of its text in vLLM 0.33.0 and
+in a tree that carries the change (which tells a second run apart), and its
+edits: lines [first, last) of the statement replaced by lines written here."""
 
 CHANGE = {
     "vllm/v1/attention/backends/mla/index_group.py": {
