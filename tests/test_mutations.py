@@ -58,12 +58,17 @@ MEMORY_BUILT_TEST = "tests/test_cli.py::test_memory_follows_the_architecture_vll
 AB_QUESTIONS_TEST = "tests/test_ab.py::test_runs_on_other_questions_are_refused"
 AB_TWO_RUNS_TEST = "tests/test_ab.py::test_a_folder_with_two_runs_is_refused"
 UPSTREAM = "tests/test_upstream_patch.py"
-UPSTREAM_TEST = f"{UPSTREAM}::test_dbo_ubatch_passes_in_the_patched_tree"
+UPSTREAM_TEST = f"{UPSTREAM}::test_new_test_passes_in_the_patched_tree"
 UPSTREAM_CODE_TEST = (
-    f"{UPSTREAM}::test_inserted_code_is_the_core_and_the_model_passes_the_microbatch_count"
+    f"{UPSTREAM}::test_model_passes_the_microbatch_count_and_writers_take_the_impls_buffer"
 )
+UPSTREAM_HOOKS_TEST = f"{UPSTREAM}::test_patched_tree_passes_vllms_hooks_and_adds_no_mypy_error"
 UPSTREAM_REFUSAL_TEST = (
-    f"{UPSTREAM}::test_tree_missing_a_place_is_refused_and_nothing_written[builder method renamed]"
+    f"{UPSTREAM}::test_tree_the_change_does_not_fit_is_refused_and_nothing_written"
+    "[changed context line]"
+)
+UPSTREAM_VERSION_TEST = (
+    f"{UPSTREAM}::test_tree_the_change_does_not_fit_is_refused_and_nothing_written[another version]"
 )
 UPSTREAM_DRY_RUN_TEST = f"{UPSTREAM}::test_diff_applies_with_git_and_dry_run_writes_nothing"
 TREE_TEST = f"{UPSTREAM}::test_plugin_in_a_patched_tree_retires_only_what_the_tree_carries"
@@ -437,35 +442,47 @@ MUTATIONS = {
         "    if False:\n",
         AB_TWO_RUNS_TEST,
     ),
-    "upstream patch gives followers no per-microbatch state": (
-        "upstream/__init__.py",
-        'BUILDER_REGISTER = "add_layer_state(self, {group}, {index})\\n"\n',
-        'BUILDER_REGISTER = "pass\\n"\n',
+    "upstream change resolves no microbatch's physical top-k": (
+        "upstream/change.py",
+        "        return self.ubatch_topk[dbo_current_ubatch_id()]\n",
+        "        return self\n",
         UPSTREAM_TEST,
     ),
-    "upstream patch leaves the impl's buffer getter as vLLM's": (
-        "upstream/__init__.py",
-        "        source.replace(source.start(ret), end, call)\n",
-        "        pass\n",
+    "upstream change leaves the impl's buffer getter as vLLM's": (
+        "upstream/change.py",
+        "        return group.ubatch_logical_topk_indices(buffer)\n",
+        "        return buffer\n",
         UPSTREAM_TEST,
     ),
-    "upstream patch leaves the leader's writers on microbatch 0's buffer": (
-        "upstream/__init__.py",
-        "    source.insert(source.offset(init.lineno, 0), leader_buffer_property(indent))\n",
-        "    pass\n",
-        UPSTREAM_TEST,
-    ),
-    "upstream patch drops the HiSparse refusal": (
-        "upstream/__init__.py",
-        "    refusal = hisparse_refusal(indent_of(source, first))\n",
-        '    refusal = ""\n',
-        UPSTREAM_TEST,
-    ),
-    "upstream patch builds the model with one microbatch": (
-        "upstream/__init__.py",
-        '    keyword = "num_ubatches=get_num_ubatches(vllm_config.parallel_config)"\n',
-        '    keyword = "num_ubatches=1"\n',
+    "upstream change builds the model with one microbatch": (
+        "upstream/change.py",
+        "            get_num_ubatches(vllm_config.parallel_config),\n",
+        "",
         UPSTREAM_CODE_TEST,
+    ),
+    "upstream change adds a mypy error": (
+        "upstream/change.py",
+        "                self.impl.topk_indices_buffer,  # type: ignore[attr-defined]\n",
+        "                self.impl.topk_indices_buffer,\n",
+        UPSTREAM_HOOKS_TEST,
+    ),
+    "upstream change calls torch.cuda": (
+        "upstream/change.py",
+        "        group.set_logical_topk_ready(leader_index)\n",
+        "        group.set_logical_topk_ready(leader_index)\n        torch.cuda.synchronize()\n",
+        UPSTREAM_HOOKS_TEST,
+    ),
+    "upstream-patch patches a statement that differs from 0.33.0's": (
+        "upstream/__init__.py",
+        "    if differ:\n",
+        "    if False:\n",
+        UPSTREAM_REFUSAL_TEST,
+    ),
+    "upstream-patch patches another version": (
+        "upstream/__init__.py",
+        "    if version != VERSION:\n",
+        "    if False:\n",
+        UPSTREAM_VERSION_TEST,
     ),
     "upstream-patch exits 0 on a tree it refuses": (
         "cli.py",
@@ -517,7 +534,9 @@ def copy_package(root: Path) -> Path:
         MODEL_MODULES_TEST,
         UPSTREAM_TEST,
         UPSTREAM_CODE_TEST,
+        UPSTREAM_HOOKS_TEST,
         UPSTREAM_REFUSAL_TEST,
+        UPSTREAM_VERSION_TEST,
         UPSTREAM_DRY_RUN_TEST,
         TREE_TEST,
     ],

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # vLLM 0.33.0's sparse MLA backend tests on a GPU in the released source tree, unpatched and
-# through `vllm-dsa-dbo upstream-patch`: both summaries, whether every test's outcome is the
-# same, and the patch's own -k dbo_ubatch test in both trees (tests/upstream_tree.py).
+# through `vllm-dsa-dbo upstream-patch`: both summaries, whether every test's outcome but the
+# change's own test (in the patched file only) is the same, and that test's outcome
+# (tests/upstream_tree.py).
 # Here, before the tree travels (.vllm-sdist/ is ignored; vLLM's conftest needs tblib):
 #   python tests/vllm_sdist.py fetch .vllm-sdist && pip download --no-deps -d .vllm-sdist tblib
 # On the GPU machine (carry .vllm-sdist):
 #   validation/upstream_tests.sh [PYTEST_ARGS]
-# PYTEST_ARGS default to vLLM's test_sparse_mla_backends.py without its slow *_correctness
-# cases. VLLM_DSA_DBO_SDIST names the sdist (default .vllm-sdist/vllm-0.33.0.tar.gz here);
+# PYTEST_ARGS default to vLLM's whole test_sparse_mla_backends.py. VLLM_DSA_DBO_SDIST names the sdist (default .vllm-sdist/vllm-0.33.0.tar.gz here);
 # the trees go to VLLM_DSA_DBO_TREES (default /tmp/vllm-dsa-dbo-trees).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,6 +18,6 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 python -c "import tblib" 2>/dev/null ||
     python -m pip install -q --no-index --find-links .vllm-sdist tblib
 if [ $# -eq 0 ]; then
-    set -- tests/v1/attention/test_sparse_mla_backends.py -k 'not correctness'
+    set -- tests/v1/attention/test_sparse_mla_backends.py
 fi
 python tests/upstream_tree.py "$@"

@@ -5,10 +5,13 @@ top-k once; follower layers read both later. Under dual batch overlap the
 microbatches interleave between a leader and its followers, so every
 microbatch after the first needs its own copy of that state. This module holds
 the state type, its per-microbatch lookup and its allocation, for
-`vllm/v1/attention/backends/mla/index_group.py`; it patches nothing. There
-(vllm PR #60734) `topk_state` is `SparseMLAIndexGroup._topk_state()`, and
-`init_builder_state` / `add_layer_state` belong to `SparseMLAIndexGroupBuilder`'s
-`__init__(..., num_ubatches)` / `register_layer`.
+`vllm/v1/attention/backends/mla/index_group.py`; it patches nothing. The
+upstream change (`vllm-dsa-dbo upstream-patch`) has the same parts in vLLM's
+own shape: `topk_state` is `SparseMLAIndexGroup._topk_state()`,
+`resolve_logical_topk` is `ubatch_logical_topk_indices()`, and
+`init_builder_state` / `add_layer_state` are `SparseMLAIndexGroupBuilder`'s
+`__init__(..., num_ubatches)` / `_add_ubatch_topk`; why the shapes differ is
+in docs/UPSTREAM.md.
 """
 
 from __future__ import annotations

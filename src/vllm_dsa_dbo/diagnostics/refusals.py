@@ -96,7 +96,12 @@ def check_wired(model: Any, num_ubatches: int = 1) -> None:
 
 def left_shared(group: Any, num_ubatches: int) -> bool:
     """`shares_topk_across_ubatches`, also for a group built for fewer microbatches than the
-    run has (vLLM's own, index_group unapplied, or a builder given a smaller count)."""
+    run has (vLLM's own, index_group unapplied, or a builder given a smaller count).
+
+    A group of a vLLM that carries the upstream change keeps its state in
+    `ubatch_topk`, one entry per microbatch, and its writers always follow the impl."""
+    if hasattr(group, "ubatch_topk"):
+        return reads_another_layers_topk(group) and len(group.ubatch_topk) < num_ubatches
     if getattr(group, "num_ubatches", 1) < num_ubatches:
         return reads_another_layers_topk(group)
     return hasattr(group, "ubatch_topk_states") and shares_topk_across_ubatches(group)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ast
+import inspect
+import textwrap
 from types import ModuleType
 from typing import Any
 
@@ -35,11 +38,14 @@ REQUIRES = ("index_group", "sparse_mla_attention")
 
 
 def in_tree(target: ModuleType) -> str | None:
-    """vLLM's own attention takes the leader's buffer from its impl (vllm PR #60734)."""
-    buffer = target.DeepseekV32Attention.__dict__.get("topk_indices_buffer")
-    if getattr(getattr(buffer, "fget", None), "__module__", None) != target.__name__:
+    """vLLM's own attention hands its writers the impl's buffer (vllm PR #60734)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(target.DeepseekV32Attention)))
+    except (OSError, TypeError, SyntaxError):  # no source to read
         return None
-    return "DeepseekV32Attention.topk_indices_buffer is the impl's (vllm PR #60734)"
+    if not any(ast.unparse(n) == "self.impl.topk_indices_buffer" for n in ast.walk(tree)):
+        return None
+    return "DeepseekV32Attention's writers take the impl's topk_indices_buffer (vllm PR #60734)"
 
 
 def _get(self: Any) -> Any:

@@ -42,7 +42,7 @@ PATCH = Patch(
     ),
     upstream=(
         "vllm PR #60734: SparseMLAIndexGroupBuilder(num_ubatches=...), "
-        "UbatchTopkState, SparseMLAIndexGroup._topk_state()."
+        "SparseMLAIndexGroup.ubatch_topk and _topk_state()."
     ),
     remove_when="the vLLM release that merges PR #60734 (not in 0.33.0)",
 )
