@@ -9,11 +9,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import time
+from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer, GlmMoeDsaConfig, GlmMoeDsaForCausalLM
 
-from dsa_dbo_harness.trained import CONFIG, batches, write_lookup_tokenizer
+from dsa_dbo_harness.trained import CONFIG, answer_loss, batches, write_lookup_tokenizer
 
 
 def seconds_per_step(tokenizer, experts: str, batch_size: int, steps: int) -> float:
@@ -27,8 +28,7 @@ def seconds_per_step(tokenizer, experts: str, batch_size: int, steps: int) -> fl
     for _ in range(steps + 1):
         ids, labels = (t.to(device) for t in next(data))
         start = time.perf_counter()
-        logits = model(input_ids=ids).logits[:, :-1].float()
-        loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels[:, 1:])
+        loss, _ = answer_loss(model, ids, labels)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -44,7 +44,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--tokenizer", default="/tmp/lookup-tokenizer")
     args = parser.parse_args()
-    write_lookup_tokenizer(__import__("pathlib").Path(args.tokenizer))
+    write_lookup_tokenizer(Path(args.tokenizer))
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     for deterministic, experts, batch in itertools.product(
         (False, True), ("grouped_mm", "batched_mm", "eager"), (64, 256)

@@ -109,6 +109,14 @@ def batches(tokenizer, batch_size: int):
         yield ids, labels
 
 
+def answer_loss(model, ids, labels):
+    """Next-token cross-entropy over the graded tokens, and the logits it came from."""
+    import torch
+
+    logits = model(input_ids=ids).logits[:, :-1].float()
+    return torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels[:, 1:]), logits
+
+
 def train(out: Path, steps: int, batch_size: int, lr: float) -> None:
     import torch
     from tqdm import tqdm
@@ -137,9 +145,8 @@ def train(out: Path, steps: int, batch_size: int, lr: float) -> None:
     progress = tqdm(zip(range(steps), batches(tokenizer, batch_size)), total=steps)
     for _, (ids, labels) in progress:
         ids, labels = ids.to(device), labels.to(device)
-        logits = model(input_ids=ids).logits[:, :-1].float()
+        loss, logits = answer_loss(model, ids, labels)
         targets = labels[:, 1:]
-        loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
