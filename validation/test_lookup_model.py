@@ -13,6 +13,7 @@ from dsa_dbo_harness.lookup_task import TRAIN_FACTS, TRAIN_SEED, docs, held_out
 from dsa_dbo_harness.trained import (
     CONFIG,
     IMPLEMENTATION,
+    batches,
     exact_match,
     prompt,
     widen,
@@ -64,6 +65,22 @@ def test_tokenizer_is_exact_and_prompts_stay_within_index_topk(tokenizer_dir):
         lengths.append(len(ids) + 1)  # and the eos
     # Within index_topk the indexer selects every earlier token: sparse is dense attention.
     assert 200 < max(lengths) <= CONFIG["index_topk"]
+
+
+def test_training_grades_only_answers_each_a_stated_fact(tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    ids, labels = next(batches(tokenizer, batch_size=8, queries=3))
+    eos = tokenizer.eos_token_id
+    for row, graded in zip(ids.tolist(), labels.tolist()):
+        text = tokenizer.decode(row[: row.index(eos)])
+        facts = dict(FACT.findall(text.split("How many")[0]))
+        answers = tokenizer.decode([t for t, g in zip(row, graded) if g != -100]).split("</s>")
+        asked = re.findall(r"does (\w+) have\?", tokenizer.decode(row))
+        assert len(asked) == 3 and answers[3:] == [""]
+        for name, answer in zip(asked, answers):
+            assert answer == f" {name} has {facts[name]} coins.\n#### {facts[name]}"
 
 
 def save_untrained(directory, config: dict):

@@ -23,9 +23,11 @@ rescaled so that every norm sees the same mean square.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import os
+import random
 import re
 from pathlib import Path
 
@@ -36,6 +38,7 @@ from dsa_dbo_harness.serve import write_tokenizer
 PIECE = r" ?[A-Za-z]+| ?[0-9]+| ?[^\sA-Za-z0-9]|\s"
 VOCAB_SIZE = 256
 ANSWER = re.compile(r"#### (\-?[0-9\.\,]+)")  # lm_eval's GSM8K strict-match filter
+FACT = re.compile(r"(\w+) has (\d+) coins\.")
 
 CONFIG = {
     "architectures": ["GlmMoeDsaForCausalLM"],
@@ -74,6 +77,7 @@ CONFIG = {
     "eos_token_id": 1,
     "pad_token_id": 1,
 }
+SAVE_EVERY = 100
 WIDE_HIDDEN = 2048
 # transformers' defaults, named: the fastest GPU step in bench/train_step.py.
 IMPLEMENTATION = {"attn_implementation": "sdpa", "experts_implementation": "grouped_mm"}
@@ -91,18 +95,38 @@ def write_lookup_tokenizer(directory: Path) -> None:
     write_tokenizer(directory, texts, VOCAB_SIZE, PIECE)
 
 
-def batches(tokenizer, batch_size: int):
-    """Right-padded (input_ids, labels): the loss is on the answer and its eos only."""
+def batches(tokenizer, batch_size: int, queries: int = 1):
+    """Right-padded (input_ids, labels): the loss is on the answers and their eos only.
+
+    After the task's question, `queries - 1` more questions on the same facts follow,
+    each a retrieval to learn from in the same forward pass.
+    """
     import torch
 
     stream = docs(TRAIN_SEED, TRAIN_FACTS)
+    rng = random.Random(TRAIN_SEED)
     eos = tokenizer.eos_token_id
+
+    def encode(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
     while True:
         rows = []
         for doc in (next(stream) for _ in range(batch_size)):
-            head = tokenizer(prompt(doc), add_special_tokens=False)["input_ids"]
-            tail = tokenizer(" " + doc["answer"], add_special_tokens=False)["input_ids"] + [eos]
-            rows.append((head + tail, [-100] * len(head) + tail))
+            ids, labels = [], []
+            turns = [(prompt(doc), doc["answer"])]
+            for name, value in rng.choices(FACT.findall(doc["question"]), k=queries - 1):
+                turns.append(
+                    (
+                        f"\n{prompt({'question': f'How many coins does {name} have?'})}",
+                        f"{name} has {value} coins.\n#### {value}",
+                    )
+                )
+            for question, answer in turns:
+                head, tail = encode(question), encode(" " + answer) + [eos]
+                ids += head + tail
+                labels += [-100] * len(head) + tail
+            rows.append((ids, labels))
         width = max(len(ids) for ids, _ in rows)
         ids = torch.tensor([i + [eos] * (width - len(i)) for i, _ in rows])
         labels = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in rows])
@@ -117,7 +141,7 @@ def answer_loss(model, ids, labels):
     return torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels[:, 1:]), logits
 
 
-def train(out: Path, steps: int, batch_size: int, lr: float) -> None:
+def train(out: Path, steps: int, batch_size: int, lr: float, queries: int) -> None:
     import torch
     from tqdm import tqdm
     from transformers import AutoTokenizer, GlmMoeDsaConfig, GlmMoeDsaForCausalLM
@@ -142,8 +166,8 @@ def train(out: Path, steps: int, batch_size: int, lr: float) -> None:
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     model.train()
-    progress = tqdm(zip(range(steps), batches(tokenizer, batch_size)), total=steps)
-    for _, (ids, labels) in progress:
+    progress = tqdm(zip(range(1, steps + 1), batches(tokenizer, batch_size, queries)), total=steps)
+    for step, (ids, labels) in progress:
         ids, labels = ids.to(device), labels.to(device)
         loss, logits = answer_loss(model, ids, labels)
         targets = labels[:, 1:]
@@ -155,7 +179,8 @@ def train(out: Path, steps: int, batch_size: int, lr: float) -> None:
         graded = targets != -100
         correct = (logits.argmax(-1) == targets)[graded].float().mean()
         progress.set_postfix(loss=f"{loss.item():.4f}", token_acc=f"{correct.item():.3f}")
-    model.to(torch.bfloat16).save_pretrained(out)
+        if step % SAVE_EVERY == 0 or step == steps:  # a run cut short still leaves its last save
+            copy.deepcopy(model).to(torch.bfloat16).save_pretrained(out)
 
 
 def widen(src: Path, dst: Path, hidden: int = WIDE_HIDDEN) -> None:
@@ -228,6 +253,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--queries", type=int, default=1, help="questions per training prompt")
     p = verbs.add_parser("widen")
     p.add_argument("src", type=Path)
     p.add_argument("dst", type=Path)
@@ -237,7 +263,7 @@ def main() -> None:
     p.add_argument("--limit", type=int, default=None)
     args = parser.parse_args()
     if args.verb == "train":
-        train(args.out, args.steps, args.batch_size, args.lr)
+        train(args.out, args.steps, args.batch_size, args.lr, args.queries)
     elif args.verb == "widen":
         widen(args.src, args.dst)
     else:
