@@ -102,7 +102,8 @@ def test_mcnemar_p_is_the_exact_two_sided_binomial_test():
 
     for lost in range(12):
         for gained in range(12):
-            assert math.isclose(mcnemar_p(lost, gained), by_definition(lost, gained)), (lost, gained)
+            expected = by_definition(lost, gained)
+            assert math.isclose(mcnemar_p(lost, gained), expected), (lost, gained)
     assert mcnemar_p(2, 0) == 0.5 and mcnemar_p(0, 0) == 1.0
     assert 0.0 < mcnemar_p(600, 700) < 0.01 and mcnemar_p(650, 650) == 1.0
 
@@ -232,18 +233,16 @@ def test_identical_responses_column(tmp_path):
     write_run(tmp_path / "on", {"strict-match": [0, 0, 0]}, texts=["x", "y", "x"])
     rows = json.loads(cli("ab", str(tmp_path / "off"), str(tmp_path / "on"), "--json").stdout)
     assert [r["identical"] for r in rows] == [None, 2]
-    assert (
-        "| 0 / 0 | 0.0 | 1 | 2 / 3 |" in cli("ab", str(tmp_path / "off"), str(tmp_path / "on")).stdout
-    )
+    text = cli("ab", str(tmp_path / "off"), str(tmp_path / "on")).stdout
+    assert "| 0 / 0 | 0.0 | 1 | 2 / 3 |" in text
 
 
 def test_help_gives_the_lm_eval_command():
     result = cli("ab", "--help")
     assert result.returncode == 0 and "RUN" in result.stdout
     assert "lm_eval --model local-completions" in result.stdout
-    assert "--log_samples" in result.stdout and "base_url=http://HOST:8000/v1/completions" in (
-        result.stdout
-    )
+    assert "--log_samples" in result.stdout
+    assert "base_url=http://HOST:8000/v1/completions" in result.stdout
 
 
 def test_questions_compared_by_the_fields_both_runs_carry(tmp_path):
