@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `vllm serve` A/B on 2 GPUs: the tiny GLM-5-shaped model (DP=2, expert parallel) without DBO,
-# with DBO stock and with DBO and the fix, each answering our GSM8K-format task through lm_eval
-# and through `vllm-dsa-dbo ab --endpoints`.
+# with DBO stock and with DBO and the fix, each answering our GSM8K-format task through lm_eval's
+# local-completions model; `vllm-dsa-dbo ab` then compares lm_eval's samples question by question.
 #   validation/serve_ab.sh OUTDIR
 # On the device, from the repo root, after the ../shared/gpu bundle, with .whl carried (lm_eval
 # 0.4.13 and what the image lacks for it; installed here into /tmp/site):
@@ -9,7 +9,7 @@
 # Two servers run at a time, each on both GPUs: off_a (no DBO) + on_stock (DBO,
 # VLLM_DSA_DBO_DISABLE=stock), then off_b (no DBO) + on_fix (DBO, plugin on). OUTDIR ends with
 # summary.md, ab.md, one <name>.log per server and samples.tar.gz (lm_eval outputs, the model
-# folder, the endpoint tables).
+# folder).
 set -uo pipefail
 out="$(realpath -m "${1:?usage: serve_ab.sh OUTDIR}")"
 cd "$(dirname "$0")/.."
@@ -90,10 +90,6 @@ pair() {  # REF DISABLE RUN: REF without DBO and RUN with DBO, up together
   healthy "$ref" && healthy "$run" || { stop "$ref" "$run"; return 1; }
   evaluate "$ref"
   evaluate "$run"
-  timeout 180 python3 -m vllm_dsa_dbo.cli ab --endpoints "http://127.0.0.1:${port[$ref]}/v1" \
-    "http://127.0.0.1:${port[$run]}/v1" --questions "$task/test.jsonl" --fewshot "$task/train.jsonl" \
-    --num-fewshot 8 --max-tokens 32 > "$out/endpoints_${ref}_${run}.md" 2>&1
-  echo "endpoints $ref vs $run (rc=$?):"; cat "$out/endpoints_${ref}_${run}.md"
   stop "$ref" "$run"
 }
 
@@ -121,6 +117,5 @@ done
 echo "total $SECONDS s"
 parts=(model)
 for name in off_a on_stock off_b on_fix; do [ -d "$out/$name" ] && parts+=("$name"); done
-tar -czf "$out/samples.tar.gz" -C "$out" "${parts[@]}" $(cd "$out" && ls endpoints_*.md 2>/dev/null) \
-  && (cd "$out" && rm -rf "${parts[@]}" endpoints_*.md)
+tar -czf "$out/samples.tar.gz" -C "$out" "${parts[@]}" && (cd "$out" && rm -rf "${parts[@]}")
 ls -la "$out"

@@ -5,14 +5,24 @@ On CPU, in the README's test command (pyproject's testpaths), beside the harness
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
 from dsa_dbo_harness.model import CONFIG
 from dsa_dbo_harness.serve import task_texts, write_tokenizer
-from vllm_dsa_dbo.ab import prompts, read_docs
 
 TASK = Path(__file__).resolve().parent / "gsm8k_local"
+
+
+def read_docs(path: Path) -> list[dict[str, str]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def prompts(docs: list[dict[str, str]], shots: list[dict[str, str]]) -> list[str]:
+    """lm_eval's layout of gsm8k_local.yaml's prompts, every shot before each question."""
+    context = "".join(f"Question: {s['question']}\nAnswer: {s['answer']}\n\n" for s in shots)
+    return [f"{context}Question: {doc['question']}\nAnswer:" for doc in docs]
 
 
 def test_answers_are_right():
@@ -36,7 +46,7 @@ def test_tokenizer_loads_decodes_every_id_and_prompts_pass_index_topk(tmp_path):
         assert len(tokenizer) == CONFIG["vocab_size"]
         assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (0, 1)
         assert all(isinstance(tokenizer.decode([i]), str) for i in range(CONFIG["vocab_size"]))
-    texts = prompts(read_docs(TASK / "test.jsonl"), read_docs(TASK / "train.jsonl"), 8)
+    texts = prompts(read_docs(TASK / "test.jsonl"), read_docs(TASK / "train.jsonl"))
     for text in texts:
         ids = hf(text, add_special_tokens=False)["input_ids"]
         assert hf.unk_token_id not in ids and hf.decode(ids) == text

@@ -1,45 +1,26 @@
-"""Question-by-question A/B of greedy GSM8K-style runs.
+"""Question-by-question A/B of lm_eval runs, which lm_eval scores but does not pair.
 
-Accuracy per run and filter, and against a reference run the questions lost
-(right there, wrong here) and gained, with McNemar's z = (lost - gained) /
-sqrt(lost + gained): the columns upstream used to call a DBO-on run "the same"
-as DBO off when z is inside noise. With a random-weight model accuracy is
-about 0, so the number of questions whose generated text is identical to the
-reference's is the signal there.
-
-A run is an `lm_eval --log_samples` folder, or is made here by sending each
-question to an OpenAI-compatible endpoint as lm_eval's gsm8k task would
-(same prompt, greedy, stop at "Question:") and scoring it the same way.
+A run is what `lm_eval --log_samples` wrote: its samples_<task>_<date>.jsonl, or the
+--output_path folder holding it. Per filter, against the first run (the reference): the
+questions right in both, lost (right there, wrong here), gained and wrong in both; each run's
+accuracy with lm_eval's standard error; McNemar's z = (lost - gained) / sqrt(lost + gained), the
+column upstream used to call a DBO-on run "the same" as DBO off, and McNemar's exact two-sided
+p; and the number of questions whose generated text is identical to the reference's, the signal
+where a random-weight model's accuracy is about 0.
 """
 
 from __future__ import annotations
 
-import http.client
 import json
 import math
-import random
 import re
 import sys
-import urllib.error
-import urllib.parse
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from tqdm.contrib.concurrent import thread_map
-
-STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")
-FLEXIBLE = re.compile(r"(-?[$0-9.,]{2,})|(-?[0-9]+)")
-IGNORED = [",", r"\$", r"(?s).*#### ", r"\.$"]
-# lm_eval's target is the text after "#### ", which only a number can match.
-NUMBER = re.compile(r"-?[0-9.]*[0-9][0-9.]*")
-STOP = "Question:"
-# lm_eval's aiohttp client ignores proxy variables too; endpoints are reached directly.
-OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
 
 class ABError(Exception):
-    """Input that cannot be compared: a folder, file or endpoint."""
+    """Input that cannot be compared: a folder or file."""
 
 
 @dataclass(frozen=True)
@@ -58,9 +39,12 @@ class Comparison:
     run: str
     filter: str
     accuracy: float
+    stderr: float | None
     questions: int
+    both_right: int | None = None
     lost: int | None = None
     gained: int | None = None
+    both_wrong: int | None = None
     identical: int | None = None
 
     @property
@@ -69,6 +53,20 @@ class Comparison:
             return None
         discordant = self.lost + self.gained
         return 0.0 if discordant == 0 else (self.lost - self.gained) / math.sqrt(discordant)
+
+    @property
+    def mcnemar_p(self) -> float | None:
+        if self.lost is None or self.gained is None:
+            return None
+        return mcnemar_p(self.lost, self.gained)
+
+
+def mcnemar_p(lost: int, gained: int) -> float:
+    """McNemar's exact test: two-sided binomial test of the discordant pairs at 1/2. By hand,
+    as scipy (stats.binomtest) is no dependency of vLLM."""
+    n = lost + gained
+    tail = sum(math.comb(n, k) for k in range(min(lost, gained) + 1))
+    return min(1.0, 2 * tail / 2**n)
 
 
 def read_text(path: Path) -> str:
@@ -80,35 +78,41 @@ def read_text(path: Path) -> str:
         raise ABError(f"{path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
 
 
-def samples_file(folder: Path, task: str) -> Path:
-    """The one samples_<task>_<date>.jsonl lm_eval wrote under `folder`."""
+def samples_file(run: Path, task: str) -> Path:
+    """`run` itself, or the one samples_<task>_<date>.jsonl lm_eval wrote under it."""
+    if run.is_file():
+        if not run.name.startswith("samples_") or run.suffix != ".jsonl":
+            raise ABError(f"{run} is not an lm_eval samples_<task>_<date>.jsonl file")
+        return run
+    if not run.is_dir():
+        raise ABError(f"{run} is not a folder or a samples file")
     # lm_eval names it samples_<task>_<ISO date>; the date keeps gsm8k_cot out of gsm8k.
     name = re.compile(rf"samples_{re.escape(task)}_\d{{4}}-\d\d-\d\dT[^/]*\.jsonl")
-    files = sorted(p for p in folder.rglob("samples_*.jsonl") if name.fullmatch(p.name))
+    files = sorted(p for p in run.rglob("samples_*.jsonl") if name.fullmatch(p.name))
     if not files:
-        raise ABError(f"{folder}: no samples_{task}_<date>.jsonl (run lm_eval with --log_samples)")
+        raise ABError(f"{run}: no samples_{task}_<date>.jsonl (run lm_eval with --log_samples)")
     if len(files) > 1:
         raise ABError(
-            f"{folder} holds {len(files)} samples_{task}_*.jsonl files "
-            f"({', '.join(str(f.relative_to(folder)) for f in files)}), as a second lm_eval run "
+            f"{run} holds {len(files)} samples_{task}_*.jsonl files "
+            f"({', '.join(str(f.relative_to(run)) for f in files)}), as a second lm_eval run "
             "into the same --output_path leaves them: give the folder of one run, or move "
             "the others away"
         )
     return files[0]
 
 
-def load_folders(folders: list[Path], task: str, metric: str) -> list[Run]:
-    """The runs in `folders`, each a samples file of its own."""
-    files = [samples_file(folder, task) for folder in folders]
+def load_runs(runs: list[Path], task: str, metric: str) -> list[Run]:
+    """The runs, each a samples file of its own."""
+    files = [samples_file(run, task) for run in runs]
     seen: dict[Path, Path] = {}
-    for folder, file in zip(folders, files):
+    for run, file in zip(runs, files):
         if file.resolve() in seen:
             raise ABError(
-                f"{seen[file.resolve()]} and {folder} are one run ({file.name}): give the "
-                "folders of two lm_eval runs"
+                f"{seen[file.resolve()]} and {run} are one run ({file.name}): give the "
+                "samples of two lm_eval runs"
             )
-        seen[file.resolve()] = folder
-    return [load_samples(file, str(folder), metric) for folder, file in zip(folders, files)]
+        seen[file.resolve()] = run
+    return [load_samples(file, str(run), metric) for run, file in zip(runs, files)]
 
 
 def load_samples(path: Path, name: str, metric: str) -> Run:
@@ -157,6 +161,11 @@ def question_of(sample: dict) -> dict[str, str]:
     return fields
 
 
+def stderr(right: int, n: int) -> float | None:
+    """lm_eval's mean_stderr of 0/1 values: sample standard deviation / sqrt(n)."""
+    return None if n < 2 else math.sqrt(right * (n - right) / (n * n * (n - 1)))
+
+
 def compare(runs: list[Run]) -> list[Comparison]:
     """The first run is the reference."""
     ref = runs[0]
@@ -164,9 +173,10 @@ def compare(runs: list[Run]) -> list[Comparison]:
     for run in runs:
         check_same_questions(ref, run)
         for filter_name, answers in sorted(run.correct.items()):
-            accuracy = sum(answers.values()) / len(answers)
+            n, right = len(answers), sum(answers.values())
+            row = (run.name, filter_name, right / n, stderr(right, n), n)
             if run is ref:
-                rows.append(Comparison(run.name, filter_name, accuracy, len(answers)))
+                rows.append(Comparison(*row))
                 continue
             base = ref.correct.get(filter_name)
             if base is None or base.keys() != answers.keys():
@@ -174,11 +184,16 @@ def compare(runs: list[Run]) -> list[Comparison]:
                     f"{run.name}: filter {filter_name!r} does not cover the same questions as "
                     f"{ref.name}"
                 )
-            lost = sum(base[q] and not answers[q] for q in base)
-            gained = sum(answers[q] and not base[q] for q in base)
-            identical = sum(run.responses[q] == ref.responses[q] for q in base)
+            pairs = [(base[q], answers[q]) for q in base]
             rows.append(
-                Comparison(run.name, filter_name, accuracy, len(answers), lost, gained, identical)
+                Comparison(
+                    *row,
+                    both_right=pairs.count((True, True)),
+                    lost=pairs.count((True, False)),
+                    gained=pairs.count((False, True)),
+                    both_wrong=pairs.count((False, False)),
+                    identical=sum(run.responses[q] == ref.responses[q] for q in base),
+                )
             )
     return rows
 
@@ -213,195 +228,18 @@ def check_same_questions(ref: Run, run: Run) -> None:
 
 def table(rows: list[Comparison]) -> str:
     lines = [
-        "| run | filter | accuracy | lost / gained vs reference | McNemar z "
-        "| identical responses vs reference |",
-        "|---|---|---|---|---|---|",
+        "| run | filter | accuracy ± stderr | both right / both wrong | lost / gained "
+        "| McNemar z | exact p | identical responses |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        accuracy = f"{r.accuracy:.3f} ± " + ("-" if r.stderr is None else f"{r.stderr:.3f}")
         if r.lost is None:
-            lines.append(f"| {r.run} (reference) | {r.filter} | {r.accuracy:.3f} | - | - | - |")
+            lines.append(f"| {r.run} (reference) | {r.filter} | {accuracy} | - | - | - | - | - |")
         else:
             lines.append(
-                f"| {r.run} | {r.filter} | {r.accuracy:.3f} | {r.lost} / {r.gained} "
-                f"| {r.mcnemar_z:.1f} | {r.identical} / {r.questions} |"
+                f"| {r.run} | {r.filter} | {accuracy} | {r.both_right} / {r.both_wrong} "
+                f"| {r.lost} / {r.gained} | {r.mcnemar_z:.1f} | {r.mcnemar_p:.3g} "
+                f"| {r.identical} / {r.questions} |"
             )
     return "\n".join(lines)
-
-
-# endpoints -------------------------------------------------------------------
-
-
-def read_docs(path: Path) -> list[dict[str, str]]:
-    """GSM8K-format lines: {"question": ..., "answer": "... #### N"}."""
-    docs = []
-    for number, line in enumerate(read_text(path).splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            doc = json.loads(line)
-            question, answer = doc["question"], doc["answer"]
-            if not isinstance(question, str) or not isinstance(answer, str):
-                raise TypeError("question and answer must be strings")
-        except (ValueError, KeyError, TypeError) as e:
-            raise ABError(f"{path}:{number}: not a GSM8K question/answer line: {e}") from None
-        if "#### " not in answer:
-            raise ABError(f"{path}:{number}: the answer has no '#### <number>' final answer")
-        if not NUMBER.fullmatch(_normalise(answer)):
-            raise ABError(
-                f"{path}:{number}: the final answer {answer.rsplit('#### ', 1)[1]!r} is not "
-                "a number, which '#### <number>' needs"
-            )
-        docs.append({"question": question, "answer": answer})
-    if not docs:
-        raise ABError(f"{path}: no questions")
-    return docs
-
-
-def prompts(docs: list[dict[str, str]], shots: list[dict[str, str]], num_fewshot: int) -> list[str]:
-    """lm_eval's gsm8k layout; each question gets its own fixed random few-shot draw."""
-    if num_fewshot > len(shots):
-        raise ABError(f"{num_fewshot} few-shot examples asked for, {len(shots)} given")
-    out = []
-    for i, doc in enumerate(docs):
-        examples = random.Random(i).sample(shots, num_fewshot)
-        context = "".join(f"Question: {s['question']}\nAnswer: {s['answer']}\n\n" for s in examples)
-        out.append(f"{context}Question: {doc['question']}\nAnswer:")
-    return out
-
-
-def _extract(text: str, pattern: re.Pattern, last: bool) -> str:
-    """lm_eval's regex filter followed by take_first."""
-    found = pattern.findall(text)
-    if not found:
-        return "[invalid]"
-    match = found[-1 if last else 0]
-    if isinstance(match, tuple):
-        match = next((m for m in match if m), "[invalid]")
-    return match.strip()
-
-
-def _normalise(text: str) -> str:
-    """lm_eval's exact_match with gsm8k's regexes_to_ignore and ignore_case."""
-    for pattern in IGNORED:
-        text = re.sub(pattern, "", text)
-    return text.lower()
-
-
-def score(text: str, answer: str) -> dict[str, bool]:
-    target = _normalise(answer)
-    return {
-        "strict-match": _normalise(_extract(text, STRICT, last=False)) == target,
-        "flexible-extract": _normalise(_extract(text, FLEXIBLE, last=True)) == target,
-    }
-
-
-def _call(url: str, timeout: float, payload: dict | None = None) -> dict:
-    data = None if payload is None else json.dumps(payload).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    try:
-        with OPENER.open(request, timeout=timeout) as response:
-            body = response.read()
-    except urllib.error.HTTPError as e:
-        raise ABError(f"{url}: HTTP {e.code}: {e.read()[:300].decode(errors='replace')}") from None
-    except (TimeoutError, urllib.error.URLError) as e:
-        if isinstance(getattr(e, "reason", e), TimeoutError):
-            raise ABError(f"{url}: no answer within {timeout:g} s (--timeout)") from None
-        raise ABError(f"cannot reach {url}: {e.reason}") from None
-    except http.client.HTTPException as e:
-        raise ABError(f"{url}: not an HTTP answer: {e!r}") from None
-    except (OSError, ValueError) as e:
-        raise ABError(f"cannot reach {url}: {e!r}") from None
-    try:
-        return json.loads(body)
-    except ValueError:
-        raise ABError(f"{url}: the answer is not JSON: {body[:300]!r}") from None
-
-
-def served_model(base_url: str, timeout: float) -> str:
-    body = _call(f"{base_url}/models", timeout)
-    try:
-        model = body["data"][0]["id"]
-    except (KeyError, IndexError, TypeError):
-        model = None
-    if not isinstance(model, str):
-        raise ABError(f"{base_url}/models: no model listed; give --model")
-    return model
-
-
-def complete(base_url: str, model: str, prompt: str, max_tokens: int, timeout: float) -> str:
-    payload = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stop": [STOP],
-    }
-    body = _call(f"{base_url}/completions", timeout, payload)
-    try:
-        text = body["choices"][0]["text"]
-    except (KeyError, IndexError, TypeError):
-        text = None
-    if not isinstance(text, str):
-        raise ABError(f"{base_url}/completions: not a completions answer: {str(body)[:300]}")
-    return text
-
-
-def query(
-    base_url: str,
-    model: str,
-    docs: list[dict[str, str]],
-    texts: list[str],
-    max_tokens: int,
-    concurrency: int,
-    timeout: float,
-) -> Run:
-    """A run from one endpoint: prompt `texts[i]` for `docs[i]`, `concurrency` in flight,
-    with a progress bar on stderr."""
-    outputs = thread_map(
-        lambda text: complete(base_url, model, text, max_tokens, timeout),
-        texts,
-        max_workers=concurrency,
-        desc=base_url,
-        unit="question",
-        file=sys.stderr,
-    )
-    correct: dict[str, dict[int, bool]] = {}
-    for doc_id, (doc, output) in enumerate(zip(docs, outputs)):
-        for filter_name, right in score(output, doc["answer"]).items():
-            correct.setdefault(filter_name, {})[doc_id] = right
-    return Run(
-        base_url,
-        correct,
-        dict(enumerate(outputs)),
-        {i: {"doc": json.dumps(doc, sort_keys=True)} for i, doc in enumerate(docs)},
-    )
-
-
-def endpoint_runs(
-    urls: list[str],
-    docs: list[dict[str, str]],
-    texts: list[str],
-    max_tokens: int,
-    concurrency: int,
-    timeout: float,
-    model: str | None = None,
-) -> list[Run]:
-    """Every endpoint must name its model (or be given one) before any is queried."""
-    urls = [url.rstrip("/") for url in urls]
-    for url in urls:
-        try:
-            parts = urllib.parse.urlsplit(url)
-            parts.port  # noqa: B018  (raises for a port that is not a number)
-        except ValueError:
-            parts = None
-        if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ABError(f"{url} is not an http(s) URL, e.g. http://127.0.0.1:8000/v1")
-    models = [model or served_model(url, timeout) for url in urls]
-    if len(set(models)) > 1:
-        raise ABError(
-            f"the endpoints serve different models ({', '.join(models)}): compare one model "
-            "with DBO off and on, or give --model to ask each for the same name"
-        )
-    return [
-        query(url, m, docs, texts, max_tokens, concurrency, timeout) for url, m in zip(urls, models)
-    ]

@@ -427,51 +427,32 @@ def plugin_env() -> str | None:
 # ab -------------------------------------------------------------------------
 
 
-def ab_runs(args: argparse.Namespace) -> list:
-    """The runs to compare, reference first: lm_eval folders or live endpoints."""
-    from vllm_dsa_dbo.ab import endpoint_runs, load_folders, prompts, read_docs
-
-    if not args.endpoints:
-        if len(args.runs) < 2:
-            raise UsageError("give two or more lm_eval output folders, or --endpoints")
-        live_only = [
-            f"--{name}"
-            for name in ("questions", "fewshot", "model")
-            if getattr(args, name) is not None
-        ]
-        if live_only:
-            raise UsageError(f"{', '.join(live_only)} apply only with --endpoints")
-        for folder in args.runs:
-            if not Path(folder).is_dir():
-                raise UsageError(f"{folder} is not a folder")
-        return load_folders([Path(folder) for folder in args.runs], args.task, args.metric)
-    if args.runs:
-        raise UsageError("give lm_eval folders or --endpoints, not both")
-    if len(args.endpoints) < 2 or args.questions is None:
-        raise UsageError("--endpoints needs two or more URLs and --questions")
-    if args.num_fewshot and args.fewshot is None:
-        raise UsageError("--num-fewshot needs --fewshot")
-    if args.fewshot is not None and not args.num_fewshot:
-        raise UsageError("--fewshot needs --num-fewshot N (examples per question)")
-    docs = read_docs(args.questions)
-    shots = read_docs(args.fewshot) if args.num_fewshot else []
-    texts = prompts(docs, shots, args.num_fewshot)
-    return endpoint_runs(
-        args.endpoints, docs, texts, args.max_tokens, args.concurrency, args.timeout, args.model
-    )
+AB_HOWTO = (
+    "Compare lm_eval runs question by question; the first RUN is the reference (e.g. DBO off).\n"
+    "Make one run per server, lm_eval's local-completions model with --log_samples:\n\n"
+    "  lm_eval --model local-completions --tasks gsm8k --num_fewshot 5 --log_samples \\\n"
+    "    --model_args model=MODEL,base_url=http://HOST:8000/v1/completions,"
+    "num_concurrent=64,tokenized_requests=False \\\n"
+    "    --output_path results/dbo-off\n\n"
+    "and the same against the DBO-on server into results/dbo-on, then\n\n"
+    "  vllm-dsa-dbo ab results/dbo-off results/dbo-on\n"
+)
 
 
 def ab(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
-    from vllm_dsa_dbo.ab import ABError, compare, table
+    from vllm_dsa_dbo.ab import ABError, compare, load_runs, table
 
+    if len(args.runs) < 2:
+        raise UsageError("give two or more lm_eval runs: --output_path folders or samples files")
     try:
-        rows = compare(ab_runs(args))
+        rows = compare(load_runs([Path(run) for run in args.runs], args.task, args.metric))
     except ABError as e:
         raise UsageError(str(e)) from None
     if args.json:
-        print(json.dumps([{**asdict(r), "mcnemar_z": r.mcnemar_z} for r in rows], indent=1))
+        out = [{**asdict(r), "mcnemar_z": r.mcnemar_z, "mcnemar_p": r.mcnemar_p} for r in rows]
+        print(json.dumps(out, indent=1))
     else:
         print(table(rows))
     return 0
@@ -551,59 +532,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "ab",
-        help="question-by-question A/B of lm_eval --log_samples folders or of live "
-        "OpenAI-compatible endpoints (lost/gained, McNemar z, identical responses)",
-        description="The first run (folder or endpoint) is the reference, e.g. DBO off.",
+        help="question-by-question A/B of lm_eval --log_samples runs (lost/gained, McNemar, "
+        "identical responses)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=AB_HOWTO,
     )
-    p.add_argument("runs", nargs="*", metavar="RUN", help="lm_eval --log_samples output folder")
+    p.add_argument(
+        "runs",
+        nargs="*",
+        metavar="RUN",
+        help="lm_eval --output_path folder, or the samples_<task>_<date>.jsonl in it",
+    )
     p.add_argument("--task", default="gsm8k", help="task name in samples_<task>_*.jsonl")
     p.add_argument("--metric", default="exact_match", help="per-sample metric; 1 means right")
-    live = p.add_argument_group(
-        "endpoints",
-        "send GSM8K-format questions to each endpoint as lm_eval's gsm8k task does "
-        "(greedy /v1/completions, stop at 'Question:') and score them the same way",
-    )
-    live.add_argument(
-        "--endpoints",
-        nargs="+",
-        metavar="URL",
-        help="OpenAI-compatible base URLs, e.g. http://127.0.0.1:8000/v1",
-    )
-    live.add_argument(
-        "--questions",
-        type=Path,
-        metavar="JSONL",
-        help='one {"question": ..., "answer": "... #### N"} per line',
-    )
-    live.add_argument(
-        "--fewshot",
-        type=Path,
-        metavar="JSONL",
-        help="examples in the same format to put before each question",
-    )
-    live.add_argument(
-        "--num-fewshot",
-        type=whole_number(0),
-        default=0,
-        help="examples per question, a fixed random draw for each (default 0)",
-    )
-    live.add_argument(
-        "--max-tokens",
-        type=whole_number(1),
-        default=256,
-        help="completion tokens per question (default 256)",
-    )
-    live.add_argument("--model", help="model name to ask for (default: the endpoint's /models)")
-    live.add_argument(
-        "--concurrency", type=whole_number(1), default=64, help="requests in flight per endpoint"
-    )
-    live.add_argument(
-        "--timeout",
-        type=whole_number(1),
-        default=300,
-        metavar="SECONDS",
-        help="give up on an endpoint that sends nothing for this long (default 300)",
-    )
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.set_defaults(func=ab)
 
