@@ -17,14 +17,14 @@ import statistics
 import sys
 import time
 
-from vllm_dsa_dbo.testing import use_cpu
+from vllm_dsa_dbo.demo import use_cpu
 
 use_cpu()  # before vLLM is imported
 
 import torch  # noqa: E402
 import vllm  # noqa: E402
 
-from vllm_dsa_dbo.testing import cpu_dbo  # noqa: E402
+from vllm_dsa_dbo import cpu_dbo  # noqa: E402
 
 ACCESSES = 20_000
 REPEATS = 41
@@ -61,7 +61,7 @@ def measure(stack) -> dict[str, float]:
 
 
 def measure_everywhere(num_ubatches: int | None) -> dict[str, dict[str, float]]:
-    from vllm_dsa_dbo.testing.stack import SharedTopkStack
+    from vllm_dsa_dbo.cpu_dbo import SharedTopkStack
 
     stack = SharedTopkStack([True, True, False], num_ubatches)
     results = {"outside microbatch threads": measure(stack)}
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with cpu_dbo.cpu_vllm(), cpu_dbo.fake_streams():
         stock = measure_everywhere(None)
-        patches.apply_all()
+        patches.apply_all(patches.fix_patches())
         fixed = measure_everywhere(2)
     rows = []
     print(

@@ -35,7 +35,7 @@ from cpu_access import ns_per_access  # sets up the CPU run before it imports vL
 import torch
 from vllm.model_executor.layers.attention.sparse_mla_attention import SharedTopkIndicesBuffer
 from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroupBuilder
-from vllm_dsa_dbo.testing import cpu_dbo
+from vllm_dsa_dbo import cpu_dbo
 
 results = {}
 with cpu_dbo.fake_streams():

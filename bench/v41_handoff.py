@@ -51,7 +51,7 @@ def measure_phase(phase: str, device: str) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     import vllm_dsa_dbo
-    from vllm_dsa_dbo.testing import cpu_dbo
+    from vllm_dsa_dbo import cpu_dbo
 
     sys.path.insert(0, str(REPO / "tests"))
     import test_patch_deepseek_v41 as v41
@@ -132,7 +132,7 @@ class Step:
         )
 
     def run(self, stream) -> None:
-        from vllm_dsa_dbo.testing import cpu_dbo
+        from vllm_dsa_dbo import cpu_dbo
 
         self.writes.clear()
         self.reads.clear()

@@ -2,7 +2,7 @@ import os
 
 import pytest
 
-from vllm_dsa_dbo.testing import use_cpu
+from vllm_dsa_dbo.demo import use_cpu
 
 # Before anything imports vLLM. The two below are read at import, so a run that needs them
 # forks only if the whole suite has them (tests/forkserver.py). Offline: nothing here reaches
@@ -13,7 +13,7 @@ use_cpu()
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HUMMING_DISABLE_PARALLEL_BUILD", "1")
 
-from vllm_dsa_dbo.testing import cpu_dbo  # noqa: E402
+from vllm_dsa_dbo import cpu_dbo  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -14,9 +14,9 @@ import pytest
 import torch.nn as nn
 
 import forkserver
-from vllm_dsa_dbo.diagnostics.accounting import ubatch_topk_bytes
+from vllm_dsa_dbo.diagnostics.startup import ubatch_topk_bytes
 from vllm_dsa_dbo.diagnostics.layout import leader_mask
-from vllm_dsa_dbo.testing.stack import SharedTopkStack, attention_module
+from vllm_dsa_dbo.cpu_dbo import SharedTopkStack, attention_module
 
 
 def cli(*args: str, **env: str) -> subprocess.CompletedProcess:
@@ -120,12 +120,11 @@ OFF_SPELLINGS = ("", "0", "off", "OFF", "false", "no", "none", " 0 ")
 
 @pytest.mark.parametrize("value", OFF_SPELLINGS)
 def test_off_spellings_mean_off(monkeypatch, value):
-    from vllm_dsa_dbo import disable_mode
-    from vllm_dsa_dbo.diagnostics.isolation import mode_from_env
+    from vllm_dsa_dbo.settings import check_mode, disable_mode
 
     monkeypatch.setenv("VLLM_DSA_DBO_CHECK", value)
     monkeypatch.setenv("VLLM_DSA_DBO_DISABLE", value)
-    assert mode_from_env() is None and disable_mode() is None
+    assert check_mode() is None and disable_mode() is None
 
 
 @pytest.mark.parametrize(
@@ -142,11 +141,10 @@ def test_off_spellings_mean_off(monkeypatch, value):
 )
 def test_env_values(monkeypatch, name, value, expected):
     """Known values parse; anything else is an EnvValueError naming the value (None here)."""
-    from vllm_dsa_dbo import EnvValueError, disable_mode
-    from vllm_dsa_dbo.diagnostics.isolation import mode_from_env
+    from vllm_dsa_dbo.settings import EnvValueError, check_mode, disable_mode
 
     monkeypatch.setenv(name, value)
-    parse = mode_from_env if name == "VLLM_DSA_DBO_CHECK" else disable_mode
+    parse = check_mode if name == "VLLM_DSA_DBO_CHECK" else disable_mode
     if expected is None:
         with pytest.raises(EnvValueError, match=f"^{name}={value!r} is not understood: set "):
             parse()

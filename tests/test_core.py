@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_dsa_dbo.testing.cpu_dbo import FakeStream
-from vllm_dsa_dbo.testing.stack import SharedTopkStack
+from vllm_dsa_dbo.cpu_dbo import FakeStream
+from vllm_dsa_dbo.cpu_dbo import SharedTopkStack
 
 LEADERS = [True, True, False]
 
@@ -53,7 +53,7 @@ def test_dbo_ubatch_writers_and_readers_resolve_one_buffer(fake_gpu):
             impl.topk_indices_buffer for impl in stack.impls
         ]
 
-    from vllm_dsa_dbo.testing.cpu_dbo import run_dbo_step
+    from vllm_dsa_dbo.cpu_dbo import run_dbo_step
 
     run_dbo_step(step)
     for buffers in seen.values():
@@ -91,8 +91,8 @@ def test_dbo_ubatch_leaders_writing_elsewhere_are_refused(fake_gpu):
     import torch.nn as nn
 
     from vllm_dsa_dbo.diagnostics.refusals import check_wired
-    from vllm_dsa_dbo.testing.cpu_dbo import run_dbo_step
-    from vllm_dsa_dbo.testing.stack import make_impl
+    from vllm_dsa_dbo.cpu_dbo import run_dbo_step
+    from vllm_dsa_dbo.cpu_dbo import make_impl
 
     stack = SharedTopkStack(LEADERS, num_ubatches=2)
     leader = make_impl(stack.builder, stack.buffer, leads=True)
@@ -120,7 +120,7 @@ def test_dbo_ubatch_followers_in_private_groups_are_refused(fake_gpu, num_ubatch
     from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroupBuilder
 
     from vllm_dsa_dbo.diagnostics.refusals import check_wired
-    from vllm_dsa_dbo.testing.stack import attention_module, make_impl
+    from vllm_dsa_dbo.cpu_dbo import attention_module, make_impl
 
     buffer = torch.full((32, 128), -1, dtype=torch.int32)
     impls = [
@@ -140,7 +140,7 @@ def test_dbo_ubatch_other_threads_resolve_ubatch0_while_microbatches_run(fake_gp
     """vLLM's own dbo_current_ubatch_id() raises KeyError here; the fix must not."""
     import threading
 
-    from vllm_dsa_dbo.testing.cpu_dbo import run_dbo_step
+    from vllm_dsa_dbo.cpu_dbo import run_dbo_step
 
     stack = SharedTopkStack(LEADERS, num_ubatches=2)
     group = stack.impls[2].index_group

@@ -222,9 +222,9 @@ def test_failed_registration_never_raises_and_falls_back_to_the_guard(tmp_path):
     result = run_python(
         """
         from vllm_dsa_dbo import patches
-        def broken(*names):
+        def broken():
             raise ImportError("a vLLM internal moved")
-        patches.patch_modules = broken
+        patches.fix_patches = broken
         """,
         REGISTER,
         build_configs((shared, True), (own, True)),

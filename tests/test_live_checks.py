@@ -15,14 +15,13 @@ import pytest
 
 from test_plugin import run_python
 from vllm_dsa_dbo.diagnostics import refusals
+from vllm_dsa_dbo.diagnostics.load_check import BASE_LOADER, TENSORIZER
 from vllm_dsa_dbo.patches import (
-    base_loader,
     deepseek_v41_attention,
     deepseek_v41_model,
     index_group,
     sparse_attn_indexer,
     sparse_mla_attention,
-    tensorizer,
 )
 
 
@@ -141,7 +140,7 @@ def test_groups_built_for_fewer_microbatches_than_the_run_are_refused(fake_gpu):
     its builders other than DeepseekV32Model's keep) allocates no copies."""
     import torch.nn as nn
 
-    from vllm_dsa_dbo.testing.stack import SharedTopkStack
+    from vllm_dsa_dbo.cpu_dbo import SharedTopkStack
 
     def model(num_ubatches: int) -> nn.Module:
         layers = [nn.Module() for _ in range(3)]
@@ -157,12 +156,12 @@ def test_groups_built_for_fewer_microbatches_than_the_run_are_refused(fake_gpu):
 def test_load_seam_signature_checks():
     def build(config, *, prefix=""): ...
 
-    assert "takes no vllm_config" in base_loader.check(SimpleNamespace(initialize_model=build))
-    assert "takes no vllm_config" in tensorizer.check(SimpleNamespace(init_tensorizer_model=build))
+    assert "takes no vllm_config" in BASE_LOADER.check(SimpleNamespace(initialize_model=build))
+    assert "takes no vllm_config" in TENSORIZER.check(SimpleNamespace(init_tensorizer_model=build))
     from vllm.model_executor.model_loader import tensorizer as vllm_tensorizer
     from vllm.model_executor.model_loader import utils
 
-    assert base_loader.check(utils) is None and tensorizer.check(vllm_tensorizer) is None
+    assert BASE_LOADER.check(utils) is None and TENSORIZER.check(vllm_tensorizer) is None
 
 
 class Op:
@@ -220,9 +219,11 @@ LOAD_GLM5_STACK = """
     from vllm.config import CompilationMode
     from vllm.model_executor.model_loader import utils
     from vllm_dsa_dbo import patches
-    from vllm_dsa_dbo.testing.stack import SharedTopkStack, attention_module
+    from vllm_dsa_dbo.cpu_dbo import SharedTopkStack, attention_module
+    from vllm_dsa_dbo.diagnostics import load_check
 
-    print("UNAPPLIED", sorted(n for n, r in patches.wire(apply=False).items() if r))
+    every = [*patches.fix_patches(), *load_check.PATCHES]
+    print("UNAPPLIED", sorted(n for n, r in patches.diagnose(every).items() if r))
 
     class Model(nn.Module):
         def __init__(self, *, vllm_config, prefix=""):
@@ -245,9 +246,9 @@ LOAD_GLM5_STACK = """
 CPU_DBO = """
     import logging
     logging.basicConfig(level=logging.INFO)
-    from vllm_dsa_dbo.testing import use_cpu
+    from vllm_dsa_dbo.demo import use_cpu
     use_cpu()
-    from vllm_dsa_dbo.testing import cpu_dbo
+    from vllm_dsa_dbo import cpu_dbo
 """
 REGISTER = """
     import vllm_dsa_dbo

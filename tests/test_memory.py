@@ -9,11 +9,12 @@ import pytest
 import torch
 from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroupBuilder
 
-from vllm_dsa_dbo.diagnostics.accounting import (
-    ubatch_topk_bytes,
+from vllm_dsa_dbo.diagnostics.layout import (
+    groups_with_followers,
+    leader_mask,
     ubatch_topk_bytes_per_extra_ubatch,
 )
-from vllm_dsa_dbo.diagnostics.layout import groups_with_followers, leader_mask
+from vllm_dsa_dbo.diagnostics.startup import ubatch_topk_bytes
 
 MAX_NUM_BATCHED_TOKENS = 96
 MAX_DECODE_ROWS = 24
@@ -104,7 +105,7 @@ def memory_report(capsys, config: dict, *args: str) -> dict:
 def test_memory_is_what_hy_v4_allocates(fake_gpu, monkeypatch, capsys):
     """HYV4 on CUDA: one logical buffer, no physical copies, as the real model allocates."""
     from test_patch_hy_v4 import HF_CONFIG, LEADERS, MAX_NUM_BATCHED_TOKENS, build_hyv4_model
-    from vllm_dsa_dbo.diagnostics.groups import index_groups
+    from vllm_dsa_dbo.diagnostics.refusals import index_groups
 
     model = build_hyv4_model(monkeypatch, fake_gpu, enable_dbo=True)
     allocated = ubatch_topk_bytes(index_groups(model))
@@ -122,7 +123,7 @@ def test_memory_is_what_hy_v4_allocates(fake_gpu, monkeypatch, capsys):
 def test_memory_is_what_rocm_dsa_allocates(fake_gpu, monkeypatch, capsys):
     """GLM-5 / DeepSeek-V3.2 on ROCm: one logical buffer, as vLLM's ROCm model allocates."""
     from test_patch_rocm_dsa import LEADERS, MAX_NUM_BATCHED_TOKENS, build_rocm_dsa_model, hf_config
-    from vllm_dsa_dbo.diagnostics.groups import index_groups
+    from vllm_dsa_dbo.diagnostics.refusals import index_groups
 
     model = build_rocm_dsa_model(monkeypatch, fake_gpu, enable_dbo=True)
     allocated = ubatch_topk_bytes(index_groups(model))

@@ -168,7 +168,7 @@ def test_startup_line_whichever_function_builds_the_model(fake_gpu, monkeypatch,
     from vllm.config import CompilationMode
     from vllm.model_executor.model_loader import tensorizer_loader
 
-    from vllm_dsa_dbo.testing.stack import SharedTopkStack, attention_module
+    from vllm_dsa_dbo.cpu_dbo import SharedTopkStack, attention_module
 
     class Model(nn.Module):
         def __init__(self, *, vllm_config=None, prefix: str = "") -> None:

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 from vllm.v1.worker.ubatching import dbo_current_ubatch_id, dbo_yield
 
-from vllm_dsa_dbo.testing import cpu_dbo
+from vllm_dsa_dbo import cpu_dbo
 
 INDEX_TOPK = 16
 CANDIDATE_TOPK_BLOCKS = 4
@@ -281,7 +281,7 @@ def checked_step(model: nn.Module, monkeypatch, mode: str):
     from vllm.models.deepseek_v41.attention import DeepseekV4Attention
 
     from vllm_dsa_dbo.diagnostics.isolation import IsolationChecker
-    from vllm_dsa_dbo.patches.isolation_deepseek_v41_attention import checked_v41_layer
+    from vllm_dsa_dbo.diagnostics.isolation import checked_v41_layer
 
     checker = IsolationChecker(mode)
     stock = DeepseekV4Attention._sparse_indexer_and_attn
@@ -318,7 +318,7 @@ def test_deepseek_v41_memory_formula_is_what_the_model_allocates(
     import json
 
     from vllm_dsa_dbo import cli
-    from vllm_dsa_dbo.patches.deepseek_v41_model import copied_buffers
+    from vllm_dsa_dbo.diagnostics.startup import copied_buffers
     from vllm_dsa_dbo.ubatch_buffers import ubatch_copies
 
     model = build_v41_model(monkeypatch, fake_gpu, enable_dbo=True)

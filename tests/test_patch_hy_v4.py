@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from vllm_dsa_dbo.testing.stack import SharedTopkStack, make_impl, step_inputs
+from vllm_dsa_dbo.cpu_dbo import SharedTopkStack, make_impl, step_inputs
 
 LEADERS = [True, True, False]
 # index_topk_freq 2 with vLLM's default offset 2: layer 2 reuses layer 1's top-k.

@@ -6,13 +6,14 @@ from __future__ import annotations
 import json
 
 from test_plugin import run_python
-from vllm_dsa_dbo.patches import CHECK_PATCH_MODULES, PATCH_MODULES, patch_modules
+from vllm_dsa_dbo.diagnostics import isolation, load_check
+from vllm_dsa_dbo.patches import NAMES, fix_patches
 
 # In a fresh interpreter: each patch applied in order, its target compared before and after.
 APPLY_EACH = """
     import importlib, json, types
     from vllm_dsa_dbo import patches
-    from vllm_dsa_dbo.diagnostics import isolation
+    from vllm_dsa_dbo.diagnostics import isolation, load_check
 
     def symbols(module):
         found = {}
@@ -27,13 +28,13 @@ APPLY_EACH = """
 
     changed = {}
     isolation.CHECKER = isolation.IsolationChecker("audit")
-    for module in patches.patch_modules(patches.PATCH_MODULES + patches.CHECK_PATCH_MODULES):
-        target = importlib.import_module(module.PATCH.target)
+    for patch in [*patches.fix_patches(), *load_check.PATCHES, *isolation.PATCHES]:
+        target = importlib.import_module(patch.target)
         before = symbols(target)
-        assert getattr(module, "check", lambda t: None)(target) is None, module.__name__
-        module.apply(target)
+        assert patch.check(target) is None, patch.name
+        patch.apply(target)
         after = symbols(target)
-        changed[patches.short_name(module)] = sorted(
+        changed[patch.name] = sorted(
             name for name in before.keys() | after.keys()
             if any(a is not b for a, b in zip(before.get(name, ()), after.get(name, ())))
             or len(before.get(name, ())) != len(after.get(name, ()))
@@ -43,9 +44,9 @@ APPLY_EACH = """
 
 
 def test_every_patch_lists_what_it_sets():
-    names = PATCH_MODULES + CHECK_PATCH_MODULES
-    records = {module.__name__.rsplit(".", 1)[1]: module.PATCH for module in patch_modules(names)}
-    assert list(records) == list(names)
+    every = [*fix_patches(), *load_check.PATCHES, *isolation.PATCHES]
+    records = {patch.name: patch for patch in every}
+    assert sorted(p.name for p in fix_patches()) == list(NAMES) and len(records) == len(every)
     assert all(patch.replaces for patch in records.values())
 
     result = run_python(APPLY_EACH)

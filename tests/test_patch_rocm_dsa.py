@@ -30,7 +30,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_dsa_dbo.testing.stack import TOKENS_PER_UBATCH, Source, logical_topk, metadata
+from vllm_dsa_dbo.cpu_dbo import TOKENS_PER_UBATCH, Source, logical_topk, metadata
 
 LEADERS = [True, True, False, False]
 INDEX_TOPK = 128
@@ -202,7 +202,7 @@ class ROCmDSAStep:
         """(layer, microbatch, expected, logical read's source, physical read's source)."""
         from vllm.v1.worker.ubatching import dbo_yield
 
-        from vllm_dsa_dbo.testing.cpu_dbo import run_dbo_step
+        from vllm_dsa_dbo.cpu_dbo import run_dbo_step
 
         raw = {}
 
@@ -289,7 +289,7 @@ def test_rocm_dsa_unwired_followers_are_refused(fake_gpu, monkeypatch):
 
 
 def test_rocm_patches_skipped_off_rocm_when_their_module_cannot_import(monkeypatch):
-    """wire() skips a ROCm patch whose module fails to import off ROCm (and the
+    """diagnose() skips a ROCm patch whose module fails to import off ROCm (and the
     patch that needs it), and on ROCm leaves both unapplied, saying why."""
     import importlib
 
@@ -304,12 +304,12 @@ def test_rocm_patches_skipped_off_rocm_when_their_module_cannot_import(monkeypat
 
     monkeypatch.setattr(patches.importlib, "import_module", import_module)
     monkeypatch.setattr(patches, "_on_rocm", lambda: False)
-    wiring = patches.wire(apply=False)
+    wiring = patches.diagnose(patches.fix_patches())
     assert "rocm_dsa_attention" not in wiring and "rocm_dsa_model" not in wiring
     assert wiring["index_group"] is None
     monkeypatch.setattr(patches, "_on_rocm", lambda: True)
     model_target = real_import("vllm.models.deepseek_v32.amd.model")
     monkeypatch.setattr(model_target, patches._APPLIED, (), raising=False)  # as before register
-    wiring = patches.wire(apply=False)
+    wiring = patches.diagnose(patches.fix_patches())
     assert "no aiter here" in wiring["rocm_dsa_attention"]
     assert wiring["rocm_dsa_model"] == "needs rocm_dsa_attention, left unapplied"

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import forkserver
-from vllm_dsa_dbo import is_supported_vllm
-from vllm_dsa_dbo.patches import PATCH_MODULES, patch_modules
+from vllm_dsa_dbo.patches import NAMES, fix_patches
+from vllm_dsa_dbo.settings import is_supported_vllm
 
 
 def run_python(*parts: str, **env: str) -> subprocess.CompletedProcess:
@@ -46,10 +46,11 @@ def test_vllm_plugins_filter_and_env_switch_turn_it_off():
 MODEL_MODULES = """
     import importlib, json, sys
     from vllm_dsa_dbo import patches
-    every = patches.patch_modules(patches.PATCH_MODULES + patches.CHECK_PATCH_MODULES)
+    from vllm_dsa_dbo.diagnostics import isolation
+    every = [*patches.fix_patches(), *isolation.PATCHES]
     targets = sorted({
-        m.PATCH.target for m in every
-        if m.PATCH.target.startswith(patches.MODEL_PACKAGES) and ".amd." not in m.PATCH.target
+        p.target for p in every
+        if p.target.startswith(patches.MODEL_PACKAGES) and ".amd." not in p.target
     })
     before = [t for t in targets if t in sys.modules]
     after = {t: patches.applied(importlib.import_module(t)) for t in targets}
@@ -174,13 +175,13 @@ def test_register_twice_patches_once(vllm_env):
 
 
 def test_every_patch_declares_its_header():
-    modules = patch_modules()
-    assert [m.__name__.rsplit(".", 1)[1] for m in modules] == list(PATCH_MODULES)
-    targets = [m.PATCH.target for m in modules]
+    records = fix_patches()
+    assert sorted(p.name for p in records) == list(NAMES)
+    targets = [p.target for p in records]
     assert len(set(targets)) == len(targets)
-    for module in modules:
+    for patch in records:
         for field in ("why", "how", "upstream", "remove_when"):
-            assert getattr(module.PATCH, field).strip(), (module.__name__, field)
+            assert getattr(patch, field).strip(), (patch.name, field)
 
 
 def test_hisparse_follower_under_dbo_is_refused(fake_gpu):
@@ -215,7 +216,7 @@ def test_hisparse_under_dbo_is_refused_at_load_whatever_the_layout(vllm_env):
     from vllm.model_executor.layers.attention.mla_attention import MLAAttention
     from vllm.v1.hisparse.runtime import HiSparseCacheHandle
 
-    from vllm_dsa_dbo.patches.base_loader import checked_build
+    from vllm_dsa_dbo.diagnostics.load_check import checked_build
 
     runtime = SimpleNamespace(
         kv_dtype=torch.bfloat16,

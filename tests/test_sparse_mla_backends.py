@@ -29,7 +29,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from vllm_dsa_dbo.testing.stack import (
+from vllm_dsa_dbo.cpu_dbo import (
     BLOCK_SIZE,
     INDEX_TOPK,
     MAX_DECODE_ROWS,
@@ -349,7 +349,7 @@ class BackendStack:
         """One DBO step; the (layer, microbatch) reads that got another top-k."""
         from vllm.v1.worker.ubatching import dbo_yield
 
-        from vllm_dsa_dbo.testing.cpu_dbo import run_dbo_step
+        from vllm_dsa_dbo.cpu_dbo import run_dbo_step
 
         raw = {}
 

@@ -180,7 +180,7 @@ import torch
 import vllm_dsa_dbo
 from vllm_dsa_dbo import patches
 from vllm_dsa_dbo.diagnostics.refusals import left_shared
-from vllm_dsa_dbo.testing import cpu_dbo
+from vllm_dsa_dbo import cpu_dbo
 
 vllm_dsa_dbo.register()
 from vllm.model_executor.model_loader import utils

@@ -17,7 +17,7 @@ from vllm.model_executor.layers.attention.sparse_mla_attention import SharedTopk
 from vllm.v1.attention.backends.mla import index_group as index_group_module
 from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroupBuilder
 
-from vllm_dsa_dbo.testing import cpu_dbo
+from vllm_dsa_dbo import cpu_dbo
 from vllm_dsa_dbo.upstream import NEW_TEST, TEST_FILE
 
 # The names the test reads from its module.

@@ -21,12 +21,12 @@ PROBE = """
 import json, sys
 from types import SimpleNamespace
 import torch
-from vllm_dsa_dbo.testing import use_cpu
+from vllm_dsa_dbo.demo import use_cpu
 use_cpu()
 import vllm_dsa_dbo
 from vllm_dsa_dbo.diagnostics.layout import leader_mask
-from vllm_dsa_dbo.testing import cpu_dbo
-from vllm_dsa_dbo.testing.stack import GLM5_LAYOUT, SharedTopkStack
+from vllm_dsa_dbo import cpu_dbo
+from vllm_dsa_dbo.cpu_dbo import GLM5_LAYOUT, SharedTopkStack
 from dsa_dbo_harness.worker_probe import snapshot
 
 vllm_dsa_dbo.register()

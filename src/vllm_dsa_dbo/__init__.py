@@ -6,94 +6,35 @@ before it builds a model.
 
 from __future__ import annotations
 
-import os
 from typing import Any
-
-from packaging.version import InvalidVersion, Version
-
-SUPPORTED_VLLM = "0.33.0"
-DISABLE_ENV = "VLLM_DSA_DBO_DISABLE"
-
-# Under "vllm." so that lines carry vLLM's log format and level.
-LOGGER_NAME = "vllm.dsa_dbo"
-
-# The spellings of "off" every plugin switch accepts, and of "on" for a yes/no one.
-OFF = ("", "0", "false", "no", "off", "none")
-ON = ("1", "true", "yes", "on")
-
-
-class EnvValueError(ValueError):
-    """A plugin environment variable set to a value it does not know."""
-
-
-def env_choice(name: str, choices: tuple[str, ...], meaning: str) -> str | None:
-    """`name`'s value from `choices` (any case), None when unset or off; else EnvValueError."""
-    raw = os.environ.get(name, "")
-    value = raw.strip().lower()
-    if value in OFF:
-        return None
-    if value in choices:
-        return value
-    raise EnvValueError(
-        f"{name}={raw!r} is not understood: set {_either(choices)} to {meaning}, or unset "
-        f"it ({_either(OFF[1:])} also mean off)"
-    )
-
-
-def _either(values: tuple[str, ...]) -> str:
-    return ", ".join(values[:-1]) + " or " + values[-1] if len(values) > 1 else values[0]
-
-
-# VLLM_DSA_DBO_DISABLE's modes: the fix off with its refusals kept, or vLLM as shipped.
-REFUSE = "refuse"
-STOCK = "stock"
-
-
-def disable_mode() -> str | None:
-    """VLLM_DSA_DBO_DISABLE: None (fix on), REFUSE or STOCK; EnvValueError for another value."""
-    value = env_choice(
-        DISABLE_ENV,
-        (*ON, STOCK),
-        f"turn the fix off and refuse what it would fix ({STOCK}: run vLLM's stock, corrupted "
-        "behaviour for A/B runs)",
-    )
-    return value if value in (None, STOCK) else REFUSE
-
-
-def is_supported_vllm(version: str) -> bool:
-    """0.33.0 and its local builds; never a pre-release or another release."""
-    try:
-        parsed = Version(version)
-    except InvalidVersion:
-        return False
-    return parsed.public == SUPPORTED_VLLM
 
 
 def register() -> None:
     """The `vllm.general_plugins` entry point; safe to call more than once; never raises."""
-    from vllm.logger import init_logger
+    from vllm_dsa_dbo import guard, settings
 
-    logger = init_logger(LOGGER_NAME)
+    logger = settings.logger()
     try:
         _register(logger)
     except Exception as e:  # raising here would stop every vLLM process, DBO or not
-        from vllm_dsa_dbo import guard
-
         logger.exception("vllm-dsa-dbo: registration failed (%s)", e)
         guard.cover(logger, "vllm-dsa-dbo failed to register on this vLLM (see its error).")
 
 
 def _register(logger: Any) -> None:
-    from vllm_dsa_dbo import guard
-    from vllm_dsa_dbo.diagnostics.isolation import install, mode_from_env
+    from vllm_dsa_dbo import guard, patches
+    from vllm_dsa_dbo.diagnostics import isolation, load_check
+    from vllm_dsa_dbo.settings import DISABLE_ENV, REFUSE, STOCK, EnvValueError
+    from vllm_dsa_dbo.settings import check_mode as parse_check
+    from vllm_dsa_dbo.settings import disable_mode as parse_disable
 
     try:
-        check = mode_from_env()
+        check = parse_check()
     except EnvValueError as e:
         logger.error("vllm-dsa-dbo: %s. The isolation checker stays off.", e)
         check = None
     try:
-        mode = disable_mode()
+        mode = parse_disable()
     except EnvValueError as e:
         logger.error("vllm-dsa-dbo: %s. The fix is applied.", e)
         mode = None
@@ -114,9 +55,8 @@ def _register(logger: Any) -> None:
             f"({DISABLE_ENV}={STOCK} runs stock vLLM, corrupted, for A/B runs).",
         )
     elif mode is None:
-        from vllm_dsa_dbo.patches import LOAD_CHECK_MODULES, apply_all
-
-        if not LOAD_CHECK_MODULES <= apply_all():
+        in_force = patches.apply_all([*patches.fix_patches(), *load_check.PATCHES])
+        if not {p.name for p in load_check.PATCHES} <= in_force:
             guard.cover(logger, "vllm-dsa-dbo could not install its load-time check here.")
     if check is not None:
-        install(check)
+        isolation.install(check)

@@ -15,15 +15,6 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from vllm_dsa_dbo import (
-    DISABLE_ENV,
-    REFUSE,
-    STOCK,
-    SUPPORTED_VLLM,
-    EnvValueError,
-    disable_mode,
-    is_supported_vllm,
-)
 from vllm_dsa_dbo.diagnostics.layout import (
     GROUPS,
     LOGICAL,
@@ -33,6 +24,18 @@ from vllm_dsa_dbo.diagnostics.layout import (
     Layout,
     check_config,
     layout,
+    ubatch_topk_bytes_per_extra_ubatch,
+)
+from vllm_dsa_dbo.settings import (
+    CHECK_ENV,
+    DISABLE_ENV,
+    REFUSE,
+    STOCK,
+    SUPPORTED_VLLM,
+    EnvValueError,
+    check_mode,
+    disable_mode,
+    is_supported_vllm,
 )
 
 if TYPE_CHECKING:
@@ -145,11 +148,12 @@ def status(args: argparse.Namespace) -> int:
         importing_vllm()
         print_patches(problems)
     else:
-        from vllm_dsa_dbo.diagnostics.isolation import CHECK_ENV
-        from vllm_dsa_dbo.patches import CHECK_PATCH_MODULES, PATCH_MODULES
+        from vllm_dsa_dbo.diagnostics import isolation, load_check
+        from vllm_dsa_dbo.patches import NAMES
 
         print(
-            f"patches: {len(PATCH_MODULES)} ({len(CHECK_PATCH_MODULES)} more with {CHECK_ENV} "
+            f"patches: {len(NAMES) + len(load_check.PATCHES)} ({len(isolation.PATCHES)} more "
+            f"with {CHECK_ENV} "
             "set), as tested on this vLLM release; `vllm-dsa-dbo status --check` lists them "
             "and checks each against this install's vLLM code"
         )
@@ -199,30 +203,23 @@ def importing_vllm() -> None:
 
 def print_patches(problems: list[str]) -> None:
     """Each patch, and why it would be left unapplied here; `problems` gets those that are."""
-    from vllm_dsa_dbo.diagnostics.isolation import CHECK_ENV
-    from vllm_dsa_dbo.patches import (
-        CARRIED,
-        CHECK_PATCH_MODULES,
-        LOAD_CHECK_MODULES,
-        patch_modules,
-        short_name,
-        wire,
-    )
+    from vllm_dsa_dbo.diagnostics import isolation, load_check
+    from vllm_dsa_dbo.patches import CARRIED, diagnose, fix_patches
 
-    wiring = {} if problems else wire(apply=False)
+    every = [*fix_patches(), *load_check.PATCHES]
+    wiring = {} if problems else diagnose(every)
     print("patches:")
-    for module in patch_modules():
-        print_patch(module.PATCH)
-        name = short_name(module)
-        if name in CARRIED:
-            print(f"    CARRIED by this vLLM, so not applied: {CARRIED[name]}")
-        elif wiring.get(name) is not None:
-            print(f"    LEFT UNAPPLIED here: {wiring[name]}")
-            problems.append(f"patch {name} is left unapplied")
+    for patch in every:
+        print_patch(patch)
+        if patch.name in CARRIED:
+            print(f"    CARRIED by this vLLM, so not applied: {CARRIED[patch.name]}")
+        elif wiring.get(patch.name) is not None:
+            print(f"    LEFT UNAPPLIED here: {wiring[patch.name]}")
+            problems.append(f"patch {patch.name} is left unapplied")
     print(f"isolation checker patches (only with {CHECK_ENV} set):")
-    for module in patch_modules(CHECK_PATCH_MODULES):
-        print_patch(module.PATCH)
-    if any(wiring.get(name) is not None for name in LOAD_CHECK_MODULES):
+    for patch in isolation.PATCHES:
+        print_patch(patch)
+    if any(wiring.get(patch.name) is not None for patch in load_check.PATCHES):
         print(f"guard: DBO with a shared-top-k DSA model is refused at {guard_seam()}")
 
     if CARRIED:
@@ -236,9 +233,10 @@ def print_patch(patch: Patch) -> None:
 
 
 def guard_seam() -> str:
+    """Where the guard would refuse, found without installing it."""
     from vllm_dsa_dbo import guard
 
-    return guard.install("(vllm-dsa-dbo status)") or "NO seam: such runs are NOT refused"
+    return " and ".join(guard.seams()) or "NO seam: such runs are NOT refused"
 
 
 def env_shown(name: str) -> str:
@@ -248,10 +246,8 @@ def env_shown(name: str) -> str:
 def check_line(errors: list[str]) -> tuple[str | None, str]:
     """The checker mode and the status line for VLLM_DSA_DBO_CHECK; a value it does not
     know goes to `errors` (and means off, as in vLLM)."""
-    from vllm_dsa_dbo.diagnostics.isolation import CHECK_ENV, mode_from_env
-
     try:
-        mode = mode_from_env()
+        mode = check_mode()
     except EnvValueError as e:
         errors.append(f"{e}; vLLM logs this and runs with the checker off")
         return None, f"{CHECK_ENV}: {env_shown(CHECK_ENV)} NOT understood"
@@ -293,8 +289,6 @@ def read_json(path: Path) -> object:
 
 def memory(args: argparse.Namespace) -> int:
     source, model = load_config(args)
-    from vllm_dsa_dbo.diagnostics.accounting import ubatch_topk_bytes_per_extra_ubatch
-
     followed = model.groups_with_followers
     max_decode_rows = min(
         args.max_num_batched_tokens, args.max_num_seqs * (1 + args.num_speculative_tokens)
@@ -415,11 +409,9 @@ def demo(args: argparse.Namespace) -> int:
 
 def plugin_env() -> str | None:
     """The checker mode the plugin's environment asks for; UsageError for an unknown value."""
-    from vllm_dsa_dbo.diagnostics.isolation import mode_from_env
-
     try:
         disable_mode()
-        return mode_from_env()
+        return check_mode()
     except EnvValueError as e:
         raise UsageError(str(e)) from None
 

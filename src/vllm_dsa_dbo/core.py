@@ -178,3 +178,93 @@ def add_layer_state(
         group.ubatch_topk_states = tuple(UbatchTopkState.like(group) for _ in extra)
         builder.follower_groups.append(group)
         builder.ubatch_logical_topk.allocate()
+
+
+def thread_registry_mismatch() -> str | None:
+    """None when the registry the state lookups read is the one DBO's
+    microbatch threads write, else what differs (every lookup would be 0)."""
+    registry = getattr(ubatching, "_THREAD_ID_TO_CONTEXT", None)
+    if registry is not _UBATCH_ID_OF_THREAD or not isinstance(registry, dict):
+        return "vllm.v1.worker.ubatching._THREAD_ID_TO_CONTEXT is not the dict it was at import"
+    if "_THREAD_ID_TO_CONTEXT" not in ubatching.UBatchContext.__enter__.__code__.co_names:
+        return "UBatchContext.__enter__ no longer registers its thread in _THREAD_ID_TO_CONTEXT"
+    if registry:  # microbatches running: nothing to probe with
+        return None
+    registry[threading.get_ident()] = 1
+    try:
+        seen = ubatching.dbo_current_ubatch_id(), current_ubatch_id()
+    finally:
+        registry.pop(threading.get_ident(), None)
+    if seen != (1, 1):
+        return f"a thread registered as microbatch 1 reads (vLLM, plugin) = {seen}"
+    return None
+
+
+# Models whose layers build private index groups (HYV4, ROCm DSA) --------------------
+
+
+def per_ubatch_indexer_op(indexer_op_cls: type) -> type:
+    """`indexer_op_cls` writing the calling microbatch's logical top-k.
+
+    Models without a shared index-group builder give each leader's indexer op
+    the model-wide buffer. Once `share_ubatch_logical_topk` has set the op's
+    `index_group`, the op resolves that buffer as the followers' impls do;
+    before that (unwired models, MTP drafts) it is vLLM's.
+    """
+
+    class IndexerOp(indexer_op_cls):
+        index_group = None
+
+        @property
+        def topk_indices_buffer(self) -> Any:
+            return resolve_logical_topk(self.index_group, self._topk_indices_buffer)
+
+        @topk_indices_buffer.setter
+        def topk_indices_buffer(self, buffer: Any) -> None:
+            self._topk_indices_buffer = buffer
+
+    IndexerOp.__name__ = IndexerOp.__qualname__ = indexer_op_cls.__name__
+    return IndexerOp
+
+
+def share_ubatch_logical_topk(
+    groups: list[SparseMLAIndexGroup | None], leaders: list[tuple[Any, SparseMLAIndexGroup]]
+) -> None:
+    """Per-microbatch logical top-k for a model whose layers build private groups.
+
+    `groups` holds every sparse layer's group and `leaders` each leader's
+    (indexer op, group). Such groups convert and read their physical top-k
+    within one layer, so only the shared logical buffer needs copies. Wires
+    nothing unless several microbatches run, some layer reuses another's
+    top-k, all groups share one buffer and every leader's op resolves through
+    its group (`per_ubatch_indexer_op`): the loader then refuses the model
+    under DBO.
+    """
+    if not groups or any(g is None for g in groups) or groups[0].num_ubatches < 2:
+        return
+    buffer = groups[0].logical_topk_indices
+    if all(g.has_indexer for g in groups):
+        return
+    if any(g.logical_topk_indices is not buffer for g in groups):
+        return
+    if not all(hasattr(op, "index_group") for op, _ in leaders):
+        return
+    extra = UbatchLogicalTopk(buffer, groups[0].num_ubatches)
+    extra.allocate()
+    for group in groups:
+        group.ubatch_logical_topk = extra
+        group.leader_writes_follow_impl = True
+    for op, group in leaders:
+        op.index_group = group
+
+
+# Leaders whose logical top-k `torch.ops.vllm.sparse_attn_indexer` writes from a
+# torch.compile'd model (the mla patch wires them, the sparse_attn_indexer patch reads
+# them), by the indexer's k-cache layer name: all the op body sees of its caller.
+INDEXER_OP_LEADERS: dict[str, SparseMLAIndexGroup] = {}
+
+
+def wire_indexer_op_leader(k_cache_prefix: str, group: SparseMLAIndexGroup) -> None:
+    """Let the indexer op of the leader at `k_cache_prefix` write through `group`."""
+    INDEXER_OP_LEADERS[k_cache_prefix] = group
+    group.leader_writes_follow_impl = True

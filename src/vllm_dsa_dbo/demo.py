@@ -7,14 +7,25 @@ CPU, as vLLM 0.33.0 ships (`--phase stock`) or with the fix (`--phase fixed`).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import TYPE_CHECKING
 
 from vllm_dsa_dbo.cli import DEMO_CROSSED
-from vllm_dsa_dbo.testing import use_cpu
 
 if TYPE_CHECKING:
-    from vllm_dsa_dbo.testing.stack import Read
+    from vllm_dsa_dbo.cpu_dbo import Read
+
+
+def use_cpu() -> None:
+    """Set the environment the CPU runs need; call it before vLLM is imported.
+
+    The logical -> physical conversion is a Triton kernel: it runs interpreted.
+    vLLM swaps Triton for a placeholder on a host with no GPU driver unless the
+    visible-device list is empty (as under Ray), so that list is emptied.
+    """
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 
 
 def report(reads: list[Read], leaders: list[bool]) -> list[str]:
@@ -40,21 +51,20 @@ def main(argv: list[str] | None = None) -> int:
 
     use_cpu()
     import vllm_dsa_dbo
+    from vllm_dsa_dbo import cpu_dbo
     from vllm_dsa_dbo.diagnostics import isolation
     from vllm_dsa_dbo.diagnostics.layout import leader_mask
-    from vllm_dsa_dbo.testing import cpu_dbo
-    from vllm_dsa_dbo.testing.stack import FIRST_MOE_LAYER, GLM5_LAYOUT, SharedTopkStack
 
-    leaders = leader_mask(GLM5_LAYOUT)
+    leaders = leader_mask(cpu_dbo.GLM5_LAYOUT)
     # As vLLM would: applies the fix unless VLLM_DSA_DBO_DISABLE is set, and
     # the isolation checker when VLLM_DSA_DBO_CHECK is.
     vllm_dsa_dbo.register()
     title = "vLLM 0.33.0 as released" if args.phase == "stock" else "with vllm-dsa-dbo"
     print(f"{title}: leaders {[i for i, lead in enumerate(leaders) if lead]}")
     with cpu_dbo.cpu_vllm(), cpu_dbo.fake_streams():
-        stack = SharedTopkStack(leaders, None if args.phase == "stock" else 2)
+        stack = cpu_dbo.SharedTopkStack(leaders, None if args.phase == "stock" else 2)
         try:
-            reads = stack.run_step(yield_from_layer=FIRST_MOE_LAYER)
+            reads = stack.run_step(yield_from_layer=cpu_dbo.FIRST_MOE_LAYER)
         except isolation.MicrobatchIsolationError as e:
             print(f"{title}: isolation checker (raise) stopped the step at the first bad read: {e}")
             return DEMO_CROSSED

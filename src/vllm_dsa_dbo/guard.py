@@ -12,7 +12,8 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from vllm_dsa_dbo import SUPPORTED_VLLM, is_supported_vllm
+from vllm_dsa_dbo.patches._shared import replace_function
+from vllm_dsa_dbo.settings import SUPPORTED_VLLM, is_supported_vllm
 
 # Config keys by which a vLLM 0.33.0 DSA model hands one layer's top-k to another.
 SHARING_KEYS = (
@@ -92,41 +93,56 @@ def refuse_unfixed(vllm_config: Any, why: str) -> None:
         )
 
 
-def _guard_config(why: str) -> None:
+def _at_config_creation() -> Callable[[str], None]:
     from vllm.config import VllmConfig
 
     stock = VllmConfig.__post_init__
 
-    def __post_init__(self: Any) -> None:
-        stock(self)
-        refuse_unfixed(self, why)
+    def install(why: str) -> None:
+        def __post_init__(self: Any) -> None:
+            stock(self)
+            refuse_unfixed(self, why)
 
-    VllmConfig.__post_init__ = __post_init__
+        VllmConfig.__post_init__ = __post_init__
+
+    return install
 
 
-def _guard_model_build(why: str) -> None:
+def _at_model_build() -> Callable[[str], None]:
     from vllm.model_executor.model_loader import utils
-
-    from vllm_dsa_dbo.patches import replace_function
 
     stock = utils.initialize_model
     signature = inspect.signature(stock)
     if "vllm_config" not in signature.parameters:
         raise TypeError("initialize_model takes no vllm_config")
 
-    def initialize_model(*args: Any, **kwargs: Any) -> Any:
-        refuse_unfixed(signature.bind(*args, **kwargs).arguments["vllm_config"], why)
-        return stock(*args, **kwargs)
+    def install(why: str) -> None:
+        def initialize_model(*args: Any, **kwargs: Any) -> Any:
+            refuse_unfixed(signature.bind(*args, **kwargs).arguments["vllm_config"], why)
+            return stock(*args, **kwargs)
 
-    replace_function(utils, "initialize_model", initialize_model)
+        replace_function(utils, "initialize_model", initialize_model)
+
+    return install
 
 
 # Config creation, and model build for a config made before register() (unpickled in a
-# worker); each needs only the names it is called by.
-SEAMS: dict[str, Callable[[str], None]] = {
-    "vllm.config.VllmConfig.__post_init__": _guard_config,
-    "vllm.model_executor.model_loader.utils.initialize_model": _guard_model_build,
+# worker): each finds its seam, raising where this vLLM lacks it, and returns its installer.
+SEAMS: dict[str, Callable[[], Callable[[str], None]]] = {
+    "vllm.config.VllmConfig.__post_init__": _at_config_creation,
+    "vllm.model_executor.model_loader.utils.initialize_model": _at_model_build,
 }
+
+
+def seams() -> dict[str, Callable[[str], None]]:
+    """The seams this vLLM has for the guard, each with its installer; installs nothing."""
+    found = {}
+    for name, find in SEAMS.items():
+        try:
+            found[name] = find()
+        except Exception:  # this vLLM lacks the seam: the others still guard
+            continue
+    return found
 
 
 def install(why: str) -> str | None:
@@ -140,16 +156,12 @@ def install(why: str) -> str | None:
     installed = getattr(vllm, _GUARDED, None)
     if installed is not None:
         return installed
-    seams = []
-    for seam, guard in SEAMS.items():
-        try:
-            guard(why)
-        except Exception:  # this vLLM lacks the seam: the others still guard
-            continue
-        seams.append(seam)
-    if not seams:
+    found = seams()
+    for put in found.values():
+        put(why)
+    if not found:
         return None
-    setattr(vllm, _GUARDED, " and ".join(seams))
+    setattr(vllm, _GUARDED, " and ".join(found))
     return getattr(vllm, _GUARDED)
 
 

@@ -26,16 +26,18 @@ the logical buffer's reads go unchecked; the physical state is checked.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
-from vllm_dsa_dbo import env_choice
-
-CHECK_ENV = "VLLM_DSA_DBO_CHECK"
-MODES = ("raise", "audit")
+from vllm_dsa_dbo import settings
+from vllm_dsa_dbo.patches import Patch, apply_all
+from vllm_dsa_dbo.settings import CHECK_ENV, CHECK_MODES
 
 
 class MicrobatchIsolationError(RuntimeError):
@@ -51,8 +53,8 @@ class Stamp:
 
 class IsolationChecker:
     def __init__(self, mode: str) -> None:
-        if mode not in MODES:
-            raise ValueError(f"{CHECK_ENV} must be one of {MODES}, got {mode!r}")
+        if mode not in CHECK_MODES:
+            raise ValueError(f"{CHECK_ENV} must be one of {CHECK_MODES}, got {mode!r}")
         self.mode = mode
         self.violations: Counter[tuple[str, str, str]] = Counter()
         self.checked_reads = 0
@@ -109,11 +111,7 @@ class IsolationChecker:
         if self.mode == "raise":
             raise MicrobatchIsolationError(message)
         if self.violations[key] == 1:
-            from vllm.logger import init_logger
-
-            from vllm_dsa_dbo import LOGGER_NAME
-
-            init_logger(LOGGER_NAME).warning("microbatch isolation violated: %s", message)
+            settings.logger().warning("microbatch isolation violated: %s", message)
 
 
 CHECKER: IsolationChecker | None = None
@@ -124,18 +122,170 @@ def state_of(group: Any) -> Any:
     return group._topk_state() if hasattr(group, "_topk_state") else group
 
 
+# The checker's seams, applied by `install` after the fix's patches -----------------
+
+
+def _check_index_group(target: ModuleType) -> None:
+    checker = CHECKER
+    group_cls = target.SparseMLAIndexGroup
+    stock_convert = group_cls._convert_once
+
+    @functools.wraps(stock_convert)
+    def _convert_once(
+        self: Any, layer_index: int, logical_topk_indices: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        state = state_of(self)
+        cached = logical_topk_indices.shape[0] <= state.physical_topk_indices.shape[0]
+        if cached and layer_index > 0:
+            layer = checker.layer(self, layer_index)
+            checker.read(layer, "physical top-k", state.physical_topk_indices)
+            checker.read(layer, "valid counts", state.valid_topk_counts)
+            checker.read(layer, "physical-ready event", state.physical_topk_ready)
+        out = stock_convert(self, layer_index, logical_topk_indices, *args, **kwargs)
+        if cached and layer_index == 0:
+            checker.write(
+                checker.layer(self, 0),
+                state.physical_topk_indices,
+                state.valid_topk_counts,
+                state.physical_topk_ready,
+            )
+        return out
+
+    group_cls._convert_once = _convert_once
+
+
+def _check_sparse_mla_attention(target: ModuleType) -> None:
+    from torch.compiler import is_dynamo_compiling
+
+    checker = CHECKER
+    impl_cls = target.SparseMLACommonImpl
+    stock_record = impl_cls.record_logical_topk_ready
+
+    @functools.wraps(stock_record)
+    def record_logical_topk_ready(self: Any) -> None:
+        stock_record(self)
+        if is_dynamo_compiling():  # traced once, not a run-time write
+            return
+        group = self.index_group
+        if group is not None and group.has_indexer and self.index_group_index == 0:
+            checker.write(
+                checker.layer(group, 0),
+                self.topk_indices_buffer,
+                state_of(group).logical_topk_ready,
+            )
+
+    mixin = target.SharedTopkIndicesBuffer
+    stock_buffer = mixin.topk_indices_buffer
+
+    @functools.wraps(stock_buffer.fget)
+    def topk_indices_buffer(self: Any) -> Any:
+        buffer = stock_buffer.fget(self)
+        group = getattr(self, "index_group", None)
+        index = getattr(self, "index_group_index", 0)
+        if group is not None and index > 0:
+            checker.read(checker.layer(group, index), "logical top-k", buffer)
+        return buffer
+
+    impl_cls.record_logical_topk_ready = record_logical_topk_ready
+    mixin.topk_indices_buffer = property(topk_indices_buffer, stock_buffer.fset)
+
+
+def checked_v41_layer(checker: IsolationChecker, stock: Callable[..., None]) -> Callable[..., None]:
+    """DeepSeek-V4.1's `_sparse_indexer_and_attn`, checking its hand-offs.
+
+    Before the layer runs: a layer reusing an index source's top-k reads the
+    top-k buffer, an indexer masking with earlier candidates reads the
+    candidate-block buffer. After it: an index source has written the top-k
+    (its indexer op, or the short-context fill before it), the candidate
+    source's op the candidates.
+    """
+    from vllm_dsa_dbo.diagnostics.refusals import reads_candidates, reuses_topk
+
+    @functools.wraps(stock)
+    def _sparse_indexer_and_attn(self: Any, hidden_states: Any, index_q: Any, *args: Any) -> None:
+        layer = f"V4.1 layer {self.layer_id}"
+        if reuses_topk(self):
+            checker.read(layer, "V4.1 top-k", self.topk_indices_buffer)
+        if reads_candidates(self) and index_q is not None:
+            checker.read(layer, "V4.1 candidate blocks", self.candidate_block_buffer)
+        stock(self, hidden_states, index_q, *args)
+        if self.indexer is not None:
+            checker.write(layer, self.topk_indices_buffer)
+            writes = self.layer_id == self.candidate_source_layer and index_q is not None
+            if writes and self.candidate_block_buffer is not None:
+                checker.write(layer, self.candidate_block_buffer)
+
+    return _sparse_indexer_and_attn
+
+
+def _check_deepseek_v41_attention(target: ModuleType) -> None:
+    layer = target.DeepseekV4Attention
+    layer._sparse_indexer_and_attn = checked_v41_layer(CHECKER, layer._sparse_indexer_and_attn)
+
+
+_DIAGNOSTIC = "none: a diagnostic"
+_ONLY_WHEN_ON = "Only with VLLM_DSA_DBO_CHECK=raise or audit, after the fix's patches: "
+PATCHES = (
+    Patch(
+        name="isolation_sparse_mla_attention",
+        target="vllm.model_executor.layers.attention.sparse_mla_attention",
+        replaces=(
+            "SparseMLACommonImpl.record_logical_topk_ready",
+            "SharedTopkIndicesBuffer.topk_indices_buffer",
+        ),
+        why=(
+            "The isolation checker has to see each leader's write of the logical top-k "
+            "and its ready event, and each follower's read of the logical buffer."
+        ),
+        how=(
+            f"{_ONLY_WHEN_ON}record_logical_topk_ready stamps the buffer and event a leader "
+            "wrote, and the topk_indices_buffer getter checks what a follower reads against it."
+        ),
+        upstream=_DIAGNOSTIC,
+        remove_when="with the isolation checker",
+        apply=_check_sparse_mla_attention,
+    ),
+    Patch(
+        name="isolation_index_group",
+        target="vllm.v1.attention.backends.mla.index_group",
+        replaces=("SparseMLAIndexGroup._convert_once",),
+        why=(
+            "The isolation checker has to see each leader's write of the physical "
+            "top-k, valid counts and ready event, and each follower's read of them."
+        ),
+        how=(
+            f"{_ONLY_WHEN_ON}_convert_once stamps that state at layer 0 and checks it at a "
+            "follower, in the microbatch's copy with the fix, in the group's own without."
+        ),
+        upstream=_DIAGNOSTIC,
+        remove_when="with the isolation checker",
+        apply=_check_index_group,
+    ),
+    Patch(
+        name="isolation_deepseek_v41_attention",
+        target="vllm.models.deepseek_v41.attention",
+        replaces=("DeepseekV4Attention._sparse_indexer_and_attn",),
+        why=(
+            "The isolation checker has to see DeepSeek-V4.1's hand-offs outside index "
+            "groups: the top-k an index source writes for later layers, and the "
+            "candidate blocks the candidate source writes for later indexers."
+        ),
+        how=(
+            f"{_ONLY_WHEN_ON}_sparse_indexer_and_attn checks the top-k and candidate blocks "
+            "a layer reads before it runs and stamps what it wrote after."
+        ),
+        upstream=_DIAGNOSTIC,
+        remove_when="with the isolation checker",
+        apply=_check_deepseek_v41_attention,
+    ),
+)
+
+
 def install(mode: str) -> IsolationChecker:
-    """Hang a checker on the hand-off points (the patches in `CHECK_PATCH_MODULES`),
-    after the fix's patches; once per process."""
+    """Hang a checker on the hand-off points (`PATCHES`), after the fix's patches; once per
+    process."""
     global CHECKER
     if CHECKER is None:
-        from vllm_dsa_dbo.patches import CHECK_PATCH_MODULES, apply_all
-
         CHECKER = IsolationChecker(mode)
-        apply_all(CHECK_PATCH_MODULES)
+        apply_all(PATCHES)
     return CHECKER
-
-
-def mode_from_env() -> str | None:
-    """The checker mode VLLM_DSA_DBO_CHECK asks for; EnvValueError for an unknown value."""
-    return env_choice(CHECK_ENV, MODES, "turn the checker on")

@@ -310,36 +310,12 @@ def _hy_v4_roles(text: dict) -> tuple[list[int], list[int], list[str]]:
     return [i for i in sparse if i not in skip], [i for i in sparse if i in skip], notes
 
 
-def _deepseek_v41_layers(text: dict) -> list[SimpleNamespace]:
-    """Each layer's top-k hand-off attributes as `DeepseekV4Attention.__init__` sets
-    them (truthy stand-ins for its indexer and `DeepseekV4Model`'s candidate buffer)."""
-    ratios = text.get("compress_ratios") or []
-    sources = text.get("index_source_layer_ids") or []
-    candidate_source = text.get("candidate_source_layer_id", -1)
-    candidates = candidate_source >= 0 and text.get("candidate_topk_blocks", 0) > 0
-    layers = []
-    for i in range(text["num_hidden_layers"]):
-        compressed = i < len(ratios) and ratios[i] > 0
-        layers.append(
-            SimpleNamespace(
-                layer_id=i,
-                index_source_layer_id=max(s for s in sources if s <= i) if compressed else None,
-                candidate_source_layer=candidate_source,
-                indexer=True if i in sources else None,
-                topk_indices_buffer=None,
-                candidate_block_buffer=True if candidates else None,
-            )
-        )
-    return layers
-
-
-def _deepseek_v41_buffers(
-    text: dict, layers: list[SimpleNamespace]
-) -> tuple[tuple[tuple[str, int], ...], list[str]]:
-    """The buffers `deepseek_v41_model` copies for `layers`, and who reads the candidates."""
+def _deepseek_v41_roles(text: dict) -> tuple[list[int], tuple[tuple[str, int], ...], list[str]]:
+    """The layers reading another layer's top-k or candidates, and the buffers
+    `deepseek_v41_model` copies for them, by the rule that patch allocates by."""
     from vllm_dsa_dbo.patches.deepseek_v41_model import hand_offs
 
-    reusing, readers = hand_offs(layers)
+    reusing, readers = hand_offs(SimpleNamespace(**text))
     buffers = []
     if reusing:
         buffers.append(("top-k buffer", text["index_topk"]))
@@ -350,25 +326,15 @@ def _deepseek_v41_buffers(
             f"candidate_source_layer_id: the indexers of layers {' '.join(map(str, readers))} "
             f"mask their scores with layer {text['candidate_source_layer_id']}'s candidate blocks"
         )
-    return tuple(buffers), notes
+    return sorted({*reusing, *readers}), tuple(buffers), notes
 
 
-def _cross_layer_followers(layers: list[Any]) -> list[int]:
-    """The layers that read top-k state another layer wrote outside index groups,
-    by the loader's rule (refused under DBO where nothing copies it)."""
-    from vllm_dsa_dbo.diagnostics.refusals import hands_topk_outside_index_groups
-
-    return [i for i, m in enumerate(layers) if hands_topk_outside_index_groups(m)]
-
-
-def _minimax_m3_layers(text: dict) -> list[SimpleNamespace]:
+def _minimax_m3_followers(text: dict) -> list[int]:
+    """The layers reusing the previous one's top-k (`skip_index_topk`), by vLLM's rule."""
     from vllm.models.minimax_m3.amd.model import _should_skip_index_topk
 
     config = SimpleNamespace(**text)
-    return [
-        SimpleNamespace(skip_index_topk=_should_skip_index_topk(config, i))
-        for i in range(text["num_hidden_layers"])
-    ]
+    return [i for i in range(text["num_hidden_layers"]) if _should_skip_index_topk(config, i)]
 
 
 def layout(path: CodePath, text: dict) -> Layout:
@@ -391,11 +357,9 @@ def layout(path: CodePath, text: dict) -> Layout:
     elif path.rule == "hy_v4":
         leaders, followers, notes = _hy_v4_roles(text)
     elif path.rule == "deepseek_v41":
-        layers = _deepseek_v41_layers(text)
-        followers = _cross_layer_followers(layers)
-        buffers, notes = _deepseek_v41_buffers(text, layers)
+        followers, buffers, notes = _deepseek_v41_roles(text)
     elif path.rule == "minimax_m3":
-        followers = _cross_layer_followers(_minimax_m3_layers(text))
+        followers = _minimax_m3_followers(text)
     if path.copies == GROUPS:
         groups = groups_with_followers([i not in followers for i in range(num_layers)])
     else:
@@ -425,3 +389,28 @@ def group_sizes(leaders: list[bool]) -> list[int]:
 
 def groups_with_followers(leaders: list[bool]) -> int:
     return sum(size > 1 for size in group_sizes(leaders))
+
+
+def ubatch_topk_bytes_per_extra_ubatch(
+    *,
+    max_num_batched_tokens: int,
+    max_decode_rows: int,
+    index_topk: int,
+    groups_with_followers: int,
+    logical_only: bool = False,
+) -> int:
+    """Extra bytes per GPU per extra microbatch, as `core.add_layer_state` allocates.
+
+    One logical buffer `[max_num_batched_tokens, index_topk]` when any group
+    has followers, plus per such group `max_decode_rows + 1` physical rows of
+    `index_topk` and as many valid counts, all int32. `logical_only`: the
+    logical buffer alone, as `share_ubatch_logical_topk` allocates for models
+    whose followers build private groups (HYV4, ROCm DSA).
+    """
+    if groups_with_followers == 0:
+        return 0
+    if logical_only:
+        return 4 * max_num_batched_tokens * index_topk
+    rows = max_decode_rows + 1
+    index_bytes = (max_num_batched_tokens + groups_with_followers * rows) * index_topk
+    return 4 * (index_bytes + groups_with_followers * rows)

@@ -2,13 +2,88 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from vllm_dsa_dbo.diagnostics.groups import (
-    index_groups,
-    reads_another_layers_topk,
-    shares_topk_across_ubatches,
-)
+from vllm_dsa_dbo.ubatch_buffers import stored_buffer, ubatch_copies
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroup
+
+
+def index_groups(model: torch.nn.Module) -> list[SparseMLAIndexGroup]:
+    """The distinct index groups of a model's sparse MLA impls."""
+    groups: dict[int, SparseMLAIndexGroup] = {}
+    for module in model.modules():
+        group = getattr(getattr(module, "impl", None), "index_group", None)
+        if group is not None:
+            groups.setdefault(id(group), group)
+    return list(groups.values())
+
+
+def reads_another_layers_topk(group: SparseMLAIndexGroup) -> bool:
+    """A group with followers, or a follower's group of its own."""
+    return group.num_layers > 1 or not group.has_indexer
+
+
+def has_logical_copies(group: SparseMLAIndexGroup) -> bool:
+    """Whether `group` holds extra microbatches' logical buffers."""
+    extra = getattr(group, "ubatch_logical_topk", None)
+    return extra is not None and bool(extra.buffers)
+
+
+def followed_groups(groups: list[SparseMLAIndexGroup]) -> list[SparseMLAIndexGroup]:
+    """The groups that read another layer's top-k and have microbatch copies
+    (a group with followers, or a single-layer follower group of HYV4 / ROCm DSA)."""
+    return [g for g in groups if has_logical_copies(g) and reads_another_layers_topk(g)]
+
+
+def shares_topk_across_ubatches(group: SparseMLAIndexGroup) -> bool:
+    """Whether, under DBO, a layer of `group` would read a top-k that another
+    layer wrote into state the microbatches share.
+
+    That is a group with followers, or a follower with a group of its own
+    (models whose layers build private groups, like HYV4 and the ROCm DSA
+    path), that runs with several microbatches and lacks per-microbatch
+    copies wired to its leader's writers: the logical buffer, and for a
+    group with followers also its physical state.
+    """
+    if group.num_ubatches < 2 or not reads_another_layers_topk(group):
+        return False
+    copied = group.ubatch_topk_states if group.num_layers > 1 else has_logical_copies(group)
+    return not (copied and group.leader_writes_follow_impl)
+
+
+def left_shared(group: Any, num_ubatches: int) -> bool:
+    """`shares_topk_across_ubatches`, also for a group built for fewer microbatches than the
+    run has (vLLM's own, index_group unapplied, or a builder given a smaller count).
+
+    A group of a vLLM that carries the upstream change keeps its state in
+    `ubatch_topk`, one entry per microbatch, and its writers always follow the impl."""
+    if hasattr(group, "ubatch_topk"):
+        return reads_another_layers_topk(group) and len(group.ubatch_topk) < num_ubatches
+    if getattr(group, "num_ubatches", 1) < num_ubatches:
+        return reads_another_layers_topk(group)
+    return hasattr(group, "ubatch_topk_states") and shares_topk_across_ubatches(group)
+
+
+def reuses_topk(attn: Any) -> bool:
+    """A DeepSeek-V4.1 layer that reads the top-k of an index source below it."""
+    source = getattr(attn, "index_source_layer_id", None)
+    return source is not None and source != getattr(attn, "layer_id", source)
+
+
+def reads_candidates(attn: Any) -> bool:
+    """A DeepSeek-V4.1 indexer that masks its scores with an earlier layer's candidates."""
+    layer_id = getattr(attn, "layer_id", None)
+    source = getattr(attn, "candidate_source_layer", -1)
+    return (
+        getattr(attn, "indexer", None) is not None
+        and layer_id is not None
+        and 0 <= source < layer_id
+        # DeepseekV4Model allocates none without candidate_topk_blocks.
+        and stored_buffer(attn, "candidate_block_buffer") is not None
+    )
 
 
 def hands_topk_outside_index_groups(module: Any) -> bool:
@@ -21,10 +96,12 @@ def hands_topk_outside_index_groups(module: Any) -> bool:
     of `candidate_source_layer_id`. MiniMax-M3 on ROCm with `use_index_cache`:
     a `skip_index_topk` layer reuses the previous one's.
     """
-    from vllm_dsa_dbo.patches import deepseek_v41_model
-
-    return getattr(module, "skip_index_topk", False) is True or (
-        deepseek_v41_model.unwired_hand_off(module)
+    if getattr(module, "skip_index_topk", False) is True:
+        return True
+    if reuses_topk(module) and not ubatch_copies(stored_buffer(module, "topk_indices_buffer")):
+        return True
+    return reads_candidates(module) and not ubatch_copies(
+        stored_buffer(module, "candidate_block_buffer")
     )
 
 
@@ -92,16 +169,3 @@ def check_wired(model: Any, num_ubatches: int = 1) -> None:
             "and `vllm-dsa-dbo status` say why). "
             "Drop --enable-dbo (and --ubatch-size) for this model."
         )
-
-
-def left_shared(group: Any, num_ubatches: int) -> bool:
-    """`shares_topk_across_ubatches`, also for a group built for fewer microbatches than the
-    run has (vLLM's own, index_group unapplied, or a builder given a smaller count).
-
-    A group of a vLLM that carries the upstream change keeps its state in
-    `ubatch_topk`, one entry per microbatch, and its writers always follow the impl."""
-    if hasattr(group, "ubatch_topk"):
-        return reads_another_layers_topk(group) and len(group.ubatch_topk) < num_ubatches
-    if getattr(group, "num_ubatches", 1) < num_ubatches:
-        return reads_another_layers_topk(group)
-    return hasattr(group, "ubatch_topk_states") and shares_topk_across_ubatches(group)

@@ -2,33 +2,73 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from vllm_dsa_dbo.diagnostics.accounting import ubatch_topk_bytes
-from vllm_dsa_dbo.diagnostics.groups import followed_groups, has_logical_copies, index_groups
-from vllm_dsa_dbo.diagnostics.refusals import sparse_mla_backend
+from vllm_dsa_dbo.diagnostics.refusals import (
+    followed_groups,
+    has_logical_copies,
+    index_groups,
+    sparse_mla_backend,
+)
+from vllm_dsa_dbo.ubatch_buffers import stored_buffer, ubatch_copies
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroup
+
+
+def ubatch_topk_bytes(groups: list[SparseMLAIndexGroup]) -> int:
+    """Bytes allocated for extra microbatches across `groups`."""
+    logical = {id(g.ubatch_logical_topk): g.ubatch_logical_topk for g in groups}
+    tensors = [t for extra in logical.values() if extra is not None for t in extra.buffers]
+    for group in groups:
+        for state in group.ubatch_topk_states:
+            tensors += [state.physical_topk_indices, state.valid_topk_counts]
+    return _bytes(tensors)
+
+
+def _bytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def copied_buffers(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The buffers with per-microbatch copies that layers of `model` hold, once each
+    (DeepSeek-V4.1's top-k and candidate blocks)."""
+    found: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for name in ("topk_indices_buffer", "candidate_block_buffer"):
+            buffer = stored_buffer(module, name)
+            if ubatch_copies(buffer):
+                found[id(buffer)] = buffer
+    return list(found.values())
 
 
 def describe(model: Any) -> str | None:
     """The startup line for `model`, or None when the fix allocated nothing."""
+    name = type(model).__name__
     copied = [g for g in index_groups(model) if has_logical_copies(g)]
-    if not copied:
-        from vllm_dsa_dbo.patches import deepseek_v41_model
-
-        return deepseek_v41_model.describe(model)
-    followed = followed_groups(copied)
-    allocated = ubatch_topk_bytes(copied)
-    copied_ids = {id(g) for g in copied}
-    backends = sorted(
-        {
-            sparse_mla_backend(m)
-            for m in model.modules()
-            if id(getattr(getattr(m, "impl", None), "index_group", None)) in copied_ids
-        }
-    )
+    if copied:
+        allocated = ubatch_topk_bytes(copied)
+        copied_ids = {id(g) for g in copied}
+        backends = sorted(
+            {
+                sparse_mla_backend(m)
+                for m in model.modules()
+                if id(getattr(getattr(m, "impl", None), "index_group", None)) in copied_ids
+            }
+        )
+        return (
+            f"vllm-dsa-dbo: {name} keeps shared top-k per DBO microbatch: "
+            f"{len(copied[0].ubatch_logical_topk.buffers) + 1} microbatches, "
+            f"{len(followed_groups(copied))} index groups with followers, {allocated:,} bytes "
+            f"({allocated / 2**20:.1f} MiB) allocated; sparse MLA backend {', '.join(backends)}"
+        )
+    buffers = copied_buffers(model)
+    if not buffers:
+        return None
+    allocated = _bytes([c for b in buffers for c in ubatch_copies(b)])
     return (
-        f"vllm-dsa-dbo: {type(model).__name__} keeps shared top-k per DBO microbatch: "
-        f"{len(copied[0].ubatch_logical_topk.buffers) + 1} microbatches, {len(followed)} index "
-        f"groups with followers, {allocated:,} bytes ({allocated / 2**20:.1f} MiB) allocated; "
-        f"sparse MLA backend {', '.join(backends)}"
+        f"vllm-dsa-dbo: {name} keeps DeepSeek-V4.1 index state per DBO "
+        f"microbatch: {len(ubatch_copies(buffers[0])) + 1} microbatches, {len(buffers)} "
+        f"handed-off buffers, {allocated:,} bytes ({allocated / 2**20:.1f} MiB) allocated"
     )

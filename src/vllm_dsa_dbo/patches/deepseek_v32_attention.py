@@ -8,33 +8,7 @@ import textwrap
 from types import ModuleType
 from typing import Any
 
-from vllm_dsa_dbo.patches import Patch, call_after_init
-
-PATCH = Patch(
-    target="vllm.models.deepseek_v32.attention",
-    replaces=(
-        "DeepseekV32Attention.__init__",
-        "DeepseekV32Attention.topk_indices_buffer",
-    ),
-    why=(
-        "DeepseekV32Attention keeps its own plain topk_indices_buffer attribute "
-        "and hands it to the leader's writers (fused_norm_rope, "
-        "sparse_attn_indexer), so writers would bypass the impl's per-microbatch "
-        "resolution that the followers read through."
-    ),
-    how=(
-        "A class property topk_indices_buffer that reads and assigns the impl's "
-        "property: writers and readers resolve the same buffer, and the MTP "
-        "proposer's re-pointing reaches the impl. After __init__ the layer marks "
-        "its impl's index group as wired; only wired groups resolve per microbatch."
-    ),
-    upstream=(
-        "vllm PR #60734: the leader's writers take the buffer from self.impl.topk_indices_buffer."
-    ),
-    remove_when="the vLLM release that merges PR #60734 (not in 0.33.0)",
-)
-
-REQUIRES = ("index_group", "sparse_mla_attention")
+from vllm_dsa_dbo.patches._shared import Patch, call_after_init
 
 
 def in_tree(target: ModuleType) -> str | None:
@@ -66,3 +40,32 @@ def mark_wired(attention: Any) -> None:
 def apply(target: ModuleType) -> None:
     target.DeepseekV32Attention.topk_indices_buffer = property(_get, _set)
     call_after_init(target.DeepseekV32Attention, mark_wired)
+
+
+PATCH = Patch(
+    name="deepseek_v32_attention",
+    target="vllm.models.deepseek_v32.attention",
+    replaces=(
+        "DeepseekV32Attention.__init__",
+        "DeepseekV32Attention.topk_indices_buffer",
+    ),
+    why=(
+        "DeepseekV32Attention keeps its own plain topk_indices_buffer attribute "
+        "and hands it to the leader's writers (fused_norm_rope, "
+        "sparse_attn_indexer), so writers would bypass the impl's per-microbatch "
+        "resolution that the followers read through."
+    ),
+    how=(
+        "A class property topk_indices_buffer that reads and assigns the impl's "
+        "property: writers and readers resolve the same buffer, and the MTP "
+        "proposer's re-pointing reaches the impl. After __init__ the layer marks "
+        "its impl's index group as wired; only wired groups resolve per microbatch."
+    ),
+    upstream=(
+        "vllm PR #60734: the leader's writers take the buffer from self.impl.topk_indices_buffer."
+    ),
+    remove_when="the vLLM release that merges PR #60734 (not in 0.33.0)",
+    requires=("index_group", "sparse_mla_attention"),
+    apply=apply,
+    in_tree=in_tree,
+)

@@ -2,15 +2,45 @@
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable
 from types import ModuleType
 
-from vllm_dsa_dbo.patches import Patch
-from vllm_dsa_dbo.patches.index_group import thread_registry_mismatch
+from vllm_dsa_dbo.core import thread_registry_mismatch
+from vllm_dsa_dbo.patches._shared import Patch, unset_attributes
 from vllm_dsa_dbo.ubatch_buffers import per_ubatch_buffers
 
+OP_BUFFERS = ("topk_indices_buffer", "candidate_blocks")
+
+
+def per_ubatch_op(op_cls: type) -> type:
+    """`op_cls` whose top-k and candidate-block attributes resolve per microbatch."""
+    op = type(op_cls.__name__, (op_cls,), {"__qualname__": op_cls.__qualname__})
+    per_ubatch_buffers(op, *OP_BUFFERS)
+    return op
+
+
+def check(target: ModuleType) -> str | None:
+    attention, indexer = target.DeepseekV4Attention, target.DeepseekV4Indexer
+    ops = [getattr(indexer, name, None) for name in ("attn_cls", "mqa_cls")]
+    if not all(isinstance(op, type) for op in ops):
+        return f"DeepseekV4Indexer's attn_cls / mqa_cls are {ops}, not classes"
+    return (
+        thread_registry_mismatch()
+        or unset_attributes(attention.__init__, "topk_indices_buffer", "candidate_block_buffer")
+        or unset_attributes(indexer.__init__, "topk_indices_buffer")
+        or next(filter(None, (unset_attributes(op.__init__, *OP_BUFFERS) for op in ops)), None)
+    )
+
+
+def apply(target: ModuleType) -> None:
+    per_ubatch_buffers(target.DeepseekV4Attention, "topk_indices_buffer", "candidate_block_buffer")
+    indexer = target.DeepseekV4Indexer
+    per_ubatch_buffers(indexer, "topk_indices_buffer")
+    indexer.attn_cls = per_ubatch_op(indexer.attn_cls)
+    indexer.mqa_cls = per_ubatch_op(indexer.mqa_cls)
+
+
 PATCH = Patch(
+    name="deepseek_v41_attention",
     target="vllm.models.deepseek_v41.attention",
     replaces=(
         "DeepseekV4Attention.topk_indices_buffer",
@@ -38,41 +68,6 @@ PATCH = Patch(
     ),
     upstream="vllm PR #56476 (open): per-microbatch sparse index state for DeepSeek-V4.1",
     remove_when="the vLLM release that merges PR #56476",
+    apply=apply,
+    check=check,
 )
-
-OP_BUFFERS = ("topk_indices_buffer", "candidate_blocks")
-
-
-def per_ubatch_op(op_cls: type) -> type:
-    """`op_cls` whose top-k and candidate-block attributes resolve per microbatch."""
-    op = type(op_cls.__name__, (op_cls,), {"__qualname__": op_cls.__qualname__})
-    per_ubatch_buffers(op, *OP_BUFFERS)
-    return op
-
-
-def unset_attributes(fn: Callable, *names: str) -> str | None:
-    """None when `fn`'s code names every attribute in `names`, else which it does not."""
-    code = getattr(inspect.unwrap(fn), "__code__", None)
-    missing = [n for n in names if code is None or n not in code.co_names]
-    return f"{fn.__qualname__} no longer sets {missing}" if missing else None
-
-
-def check(target: ModuleType) -> str | None:
-    attention, indexer = target.DeepseekV4Attention, target.DeepseekV4Indexer
-    ops = [getattr(indexer, name, None) for name in ("attn_cls", "mqa_cls")]
-    if not all(isinstance(op, type) for op in ops):
-        return f"DeepseekV4Indexer's attn_cls / mqa_cls are {ops}, not classes"
-    return (
-        thread_registry_mismatch()
-        or unset_attributes(attention.__init__, "topk_indices_buffer", "candidate_block_buffer")
-        or unset_attributes(indexer.__init__, "topk_indices_buffer")
-        or next(filter(None, (unset_attributes(op.__init__, *OP_BUFFERS) for op in ops)), None)
-    )
-
-
-def apply(target: ModuleType) -> None:
-    per_ubatch_buffers(target.DeepseekV4Attention, "topk_indices_buffer", "candidate_block_buffer")
-    indexer = target.DeepseekV4Indexer
-    per_ubatch_buffers(indexer, "topk_indices_buffer")
-    indexer.attn_cls = per_ubatch_op(indexer.attn_cls)
-    indexer.mqa_cls = per_ubatch_op(indexer.mqa_cls)

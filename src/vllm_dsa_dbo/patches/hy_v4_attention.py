@@ -4,10 +4,16 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from vllm_dsa_dbo.patches import Patch
-from vllm_dsa_dbo.patches._private_groups import per_ubatch_indexer_op
+from vllm_dsa_dbo.core import per_ubatch_indexer_op
+from vllm_dsa_dbo.patches._shared import Patch
+
+
+def apply(target: ModuleType) -> None:
+    target.SparseAttnIndexer = per_ubatch_indexer_op(target.SparseAttnIndexer)
+
 
 PATCH = Patch(
+    name="hy_v4_attention",
     target="vllm.models.hy_v4.nvidia.attention",
     replaces=("SparseAttnIndexer",),
     why=(
@@ -25,10 +31,6 @@ PATCH = Patch(
     ),
     upstream="none: vllm PR #60734 fixes only the deepseek_v32 path",
     remove_when="the vLLM release whose HYV4 keeps its logical top-k per DBO microbatch",
+    requires=("index_group", "sparse_mla_attention"),
+    apply=apply,
 )
-
-REQUIRES = ("index_group", "sparse_mla_attention")
-
-
-def apply(target: ModuleType) -> None:
-    target.SparseAttnIndexer = per_ubatch_indexer_op(target.SparseAttnIndexer)

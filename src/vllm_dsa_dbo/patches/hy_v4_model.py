@@ -5,30 +5,8 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from vllm_dsa_dbo.patches import Patch, call_after_init
-from vllm_dsa_dbo.patches._private_groups import share_ubatch_logical_topk
-
-PATCH = Patch(
-    target="vllm.models.hy_v4.nvidia.model",
-    replaces=("HYV4Model.__init__",),
-    why=(
-        "HYV4Model gives every layer one logical top-k buffer but no shared "
-        "index-group builder: each layer's impl builds a private single-layer "
-        "group, no builder ever sees a follower, and under DBO microbatch 1's "
-        "leader overwrites the buffer before microbatch 0's followers read it."
-    ),
-    how=(
-        "Wraps HYV4Model.__init__: with several microbatches and a sparse layer "
-        "that reuses another's top-k, every sparse layer's group shares one extra "
-        "logical buffer per extra microbatch and each leader's indexer op "
-        "resolves through its group, so writers and readers pick the same copy. "
-        "The physical top-k is converted and read within one layer: no copies."
-    ),
-    upstream="none: vllm PR #60734 fixes only the deepseek_v32 path",
-    remove_when="the vLLM release whose HYV4 keeps its logical top-k per DBO microbatch",
-)
-
-REQUIRES = ("hy_v4_attention",)
+from vllm_dsa_dbo.core import share_ubatch_logical_topk
+from vllm_dsa_dbo.patches._shared import Patch, call_after_init
 
 
 def keep_logical_topk_per_ubatch(model: Any) -> None:
@@ -48,3 +26,27 @@ def keep_logical_topk_per_ubatch(model: Any) -> None:
 
 def apply(target: ModuleType) -> None:
     call_after_init(target.HYV4Model, keep_logical_topk_per_ubatch)
+
+
+PATCH = Patch(
+    name="hy_v4_model",
+    target="vllm.models.hy_v4.nvidia.model",
+    replaces=("HYV4Model.__init__",),
+    why=(
+        "HYV4Model gives every layer one logical top-k buffer but no shared "
+        "index-group builder: each layer's impl builds a private single-layer "
+        "group, no builder ever sees a follower, and under DBO microbatch 1's "
+        "leader overwrites the buffer before microbatch 0's followers read it."
+    ),
+    how=(
+        "Wraps HYV4Model.__init__: with several microbatches and a sparse layer "
+        "that reuses another's top-k, every sparse layer's group shares one extra "
+        "logical buffer per extra microbatch and each leader's indexer op "
+        "resolves through its group, so writers and readers pick the same copy. "
+        "The physical top-k is converted and read within one layer: no copies."
+    ),
+    upstream="none: vllm PR #60734 fixes only the deepseek_v32 path",
+    remove_when="the vLLM release whose HYV4 keeps its logical top-k per DBO microbatch",
+    requires=("hy_v4_attention",),
+    apply=apply,
+)

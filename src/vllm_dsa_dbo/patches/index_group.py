@@ -3,49 +3,11 @@
 from __future__ import annotations
 
 import inspect
-import threading
 from types import ModuleType
 from typing import Any
 
 from vllm_dsa_dbo import core
-from vllm_dsa_dbo.patches import Patch
-
-PATCH = Patch(
-    target="vllm.v1.attention.backends.mla.index_group",
-    replaces=(
-        "SparseMLAIndexGroup.ubatch_topk_states",
-        "SparseMLAIndexGroup.ubatch_logical_topk",
-        "SparseMLAIndexGroup.leader_writes_follow_impl",
-        "SparseMLAIndexGroup.num_ubatches",
-        "SparseMLAIndexGroup._topk_state",
-        "SparseMLAIndexGroup.physical_topk_indices",
-        "SparseMLAIndexGroup.valid_topk_counts",
-        "SparseMLAIndexGroup.logical_topk_ready",
-        "SparseMLAIndexGroup.physical_topk_ready",
-        "SparseMLAIndexGroupBuilder.__init__",
-        "SparseMLAIndexGroupBuilder.register_layer",
-    ),
-    why=(
-        "SparseMLAIndexGroup holds one physical top-k, one valid-count buffer and "
-        "two ready events per group; under DBO microbatch 1's leader overwrites "
-        "them before microbatch 0's followers read them."
-    ),
-    how=(
-        "SparseMLAIndexGroupBuilder takes num_ubatches (default: the current "
-        "config's) and allocates a UbatchTopkState per extra microbatch when a "
-        "group gets its first follower, plus one logical buffer per extra "
-        "microbatch per builder; the group's four state fields resolve to the "
-        "calling microbatch's copy, as _topk_state() does (microbatch 0's in code "
-        "torch.compile traces), so vLLM's "
-        "_convert_once and set_logical_topk_ready run unchanged. HiSparse "
-        "followers under DBO are refused at construction."
-    ),
-    upstream=(
-        "vllm PR #60734: SparseMLAIndexGroupBuilder(num_ubatches=...), "
-        "SparseMLAIndexGroup.ubatch_topk and _topk_state()."
-    ),
-    remove_when="the vLLM release that merges PR #60734 (not in 0.33.0)",
-)
+from vllm_dsa_dbo.patches._shared import Patch
 
 
 def _default_num_ubatches() -> int:
@@ -79,29 +41,7 @@ def in_tree(target: ModuleType) -> str | None:
 
 
 def check(target: ModuleType) -> str | None:
-    return thread_registry_mismatch() or builder_mismatch(target.SparseMLAIndexGroupBuilder)
-
-
-def thread_registry_mismatch() -> str | None:
-    """None when the registry the state lookups read is the one DBO's
-    microbatch threads write, else what differs (every lookup would be 0)."""
-    from vllm.v1.worker import ubatching
-
-    registry = getattr(ubatching, "_THREAD_ID_TO_CONTEXT", None)
-    if registry is not core._UBATCH_ID_OF_THREAD or not isinstance(registry, dict):
-        return "vllm.v1.worker.ubatching._THREAD_ID_TO_CONTEXT is not the dict it was at import"
-    if "_THREAD_ID_TO_CONTEXT" not in ubatching.UBatchContext.__enter__.__code__.co_names:
-        return "UBatchContext.__enter__ no longer registers its thread in _THREAD_ID_TO_CONTEXT"
-    if registry:  # microbatches running: nothing to probe with
-        return None
-    registry[threading.get_ident()] = 1
-    try:
-        seen = ubatching.dbo_current_ubatch_id(), core.current_ubatch_id()
-    finally:
-        registry.pop(threading.get_ident(), None)
-    if seen != (1, 1):
-        return f"a thread registered as microbatch 1 reads (vLLM, plugin) = {seen}"
-    return None
+    return core.thread_registry_mismatch() or builder_mismatch(target.SparseMLAIndexGroupBuilder)
 
 
 def builder_mismatch(builder_cls: type) -> str | None:
@@ -170,3 +110,45 @@ def apply(target: ModuleType) -> None:
 
     builder_cls.__init__ = __init__
     builder_cls.register_layer = register_layer
+
+
+PATCH = Patch(
+    name="index_group",
+    target="vllm.v1.attention.backends.mla.index_group",
+    replaces=(
+        "SparseMLAIndexGroup.ubatch_topk_states",
+        "SparseMLAIndexGroup.ubatch_logical_topk",
+        "SparseMLAIndexGroup.leader_writes_follow_impl",
+        "SparseMLAIndexGroup.num_ubatches",
+        "SparseMLAIndexGroup._topk_state",
+        "SparseMLAIndexGroup.physical_topk_indices",
+        "SparseMLAIndexGroup.valid_topk_counts",
+        "SparseMLAIndexGroup.logical_topk_ready",
+        "SparseMLAIndexGroup.physical_topk_ready",
+        "SparseMLAIndexGroupBuilder.__init__",
+        "SparseMLAIndexGroupBuilder.register_layer",
+    ),
+    why=(
+        "SparseMLAIndexGroup holds one physical top-k, one valid-count buffer and "
+        "two ready events per group; under DBO microbatch 1's leader overwrites "
+        "them before microbatch 0's followers read them."
+    ),
+    how=(
+        "SparseMLAIndexGroupBuilder takes num_ubatches (default: the current "
+        "config's) and allocates a UbatchTopkState per extra microbatch when a "
+        "group gets its first follower, plus one logical buffer per extra "
+        "microbatch per builder; the group's four state fields resolve to the "
+        "calling microbatch's copy, as _topk_state() does (microbatch 0's in code "
+        "torch.compile traces), so vLLM's "
+        "_convert_once and set_logical_topk_ready run unchanged. HiSparse "
+        "followers under DBO are refused at construction."
+    ),
+    upstream=(
+        "vllm PR #60734: SparseMLAIndexGroupBuilder(num_ubatches=...), "
+        "SparseMLAIndexGroup.ubatch_topk and _topk_state()."
+    ),
+    remove_when="the vLLM release that merges PR #60734 (not in 0.33.0)",
+    apply=apply,
+    check=check,
+    in_tree=in_tree,
+)

@@ -7,32 +7,11 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.platforms import current_platform
 
-from vllm_dsa_dbo.patches import Patch, call_after_init
-from vllm_dsa_dbo.patches.sparse_attn_indexer import wire_indexer_op_leader
+from vllm_dsa_dbo.core import wire_indexer_op_leader
+from vllm_dsa_dbo.patches._shared import Patch, call_after_init
 
 if TYPE_CHECKING:
     from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroup
-
-PATCH = Patch(
-    target="vllm.model_executor.layers.mla",
-    replaces=("MultiHeadLatentAttentionWrapper.__init__",),
-    why=(
-        "MultiHeadLatentAttentionWrapper (the deepseek_v2 / glm4_moe_lite DSA "
-        "layers, torch.compile'd) writes the leader's top-k through the "
-        "registered indexer op and records the logical-ready event from traced "
-        "code, so the event is microbatch 0's in every microbatch."
-    ),
-    how=(
-        "After __init__, a CUDA leader's indexer op is wired to its index group "
-        "(the sparse_attn_indexer patch then resolves its buffer per microbatch, "
-        "as the group's impls do), and the group's extra microbatches share its "
-        "logical-ready event, the one the traced graph records."
-    ),
-    upstream=("none yet: PR #60734 covers the eager deepseek_v32 path only"),
-    remove_when="a vLLM release that keeps the compiled DSA path's top-k per microbatch",
-)
-
-REQUIRES = ("index_group", "sparse_mla_attention", "sparse_attn_indexer")
 
 
 def share_logical_topk_ready(group: SparseMLAIndexGroup) -> None:
@@ -65,3 +44,26 @@ def wire(wrapper: Any) -> None:
 
 def apply(target: ModuleType) -> None:
     call_after_init(target.MultiHeadLatentAttentionWrapper, wire)
+
+
+PATCH = Patch(
+    name="mla",
+    target="vllm.model_executor.layers.mla",
+    replaces=("MultiHeadLatentAttentionWrapper.__init__",),
+    why=(
+        "MultiHeadLatentAttentionWrapper (the deepseek_v2 / glm4_moe_lite DSA "
+        "layers, torch.compile'd) writes the leader's top-k through the "
+        "registered indexer op and records the logical-ready event from traced "
+        "code, so the event is microbatch 0's in every microbatch."
+    ),
+    how=(
+        "After __init__, a CUDA leader's indexer op is wired to its index group "
+        "(the sparse_attn_indexer patch then resolves its buffer per microbatch, "
+        "as the group's impls do), and the group's extra microbatches share its "
+        "logical-ready event, the one the traced graph records."
+    ),
+    upstream=("none yet: PR #60734 covers the eager deepseek_v32 path only"),
+    remove_when="a vLLM release that keeps the compiled DSA path's top-k per microbatch",
+    requires=("index_group", "sparse_mla_attention", "sparse_attn_indexer"),
+    apply=apply,
+)

@@ -4,10 +4,16 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from vllm_dsa_dbo.patches import Patch
-from vllm_dsa_dbo.patches._private_groups import per_ubatch_indexer_op
+from vllm_dsa_dbo.core import per_ubatch_indexer_op
+from vllm_dsa_dbo.patches._shared import Patch
+
+
+def apply(target: ModuleType) -> None:
+    target.SparseAttnIndexer = per_ubatch_indexer_op(target.SparseAttnIndexer)
+
 
 PATCH = Patch(
+    name="rocm_dsa_attention",
     target="vllm.models.deepseek_v32.amd.rocm",
     replaces=("SparseAttnIndexer",),
     why=(
@@ -27,15 +33,7 @@ PATCH = Patch(
     ),
     upstream="none: vllm PR #60734 fixes only the CUDA deepseek_v32 path",
     remove_when="the vLLM release whose ROCm DSA keeps its logical top-k per DBO microbatch",
+    requires=("index_group", "sparse_mla_attention"),
+    apply=apply,
+    rocm_only=True,
 )
-
-REQUIRES = ("index_group", "sparse_mla_attention")
-
-
-# vLLM imports this module on every platform; should it ever fail off ROCm,
-# wire() skips this patch there (on ROCm it is left unapplied, refused at load).
-ROCM_ONLY = True
-
-
-def apply(target: ModuleType) -> None:
-    target.SparseAttnIndexer = per_ubatch_indexer_op(target.SparseAttnIndexer)

@@ -5,10 +5,31 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from vllm_dsa_dbo.patches import Patch, call_after_init
-from vllm_dsa_dbo.patches._private_groups import share_ubatch_logical_topk
+from vllm_dsa_dbo.core import share_ubatch_logical_topk
+from vllm_dsa_dbo.patches._shared import Patch, call_after_init
+
+
+def keep_logical_topk_per_ubatch(model: Any) -> None:
+    """Wire a ROCm DSA model's layers to per-microbatch logical top-k."""
+    from vllm.models.deepseek_v32.amd.rocm import DeepseekV32MLAAttention
+
+    layers = [m for m in model.modules() if isinstance(m, DeepseekV32MLAAttention)]
+    share_ubatch_logical_topk(
+        [layer.impl.index_group for layer in layers],
+        [
+            (layer.indexer_op, layer.impl.index_group)
+            for layer in layers
+            if layer.indexer_op is not None
+        ],
+    )
+
+
+def apply(target: ModuleType) -> None:
+    call_after_init(target.DeepseekV32Model, keep_logical_topk_per_ubatch)
+
 
 PATCH = Patch(
+    name="rocm_dsa_model",
     target="vllm.models.deepseek_v32.amd.model",
     replaces=("DeepseekV32Model.__init__",),
     why=(
@@ -29,27 +50,7 @@ PATCH = Patch(
     ),
     upstream="none: vllm PR #60734 fixes only the CUDA deepseek_v32 path",
     remove_when="the vLLM release whose ROCm DSA keeps its logical top-k per DBO microbatch",
+    requires=("rocm_dsa_attention",),
+    apply=apply,
+    rocm_only=True,
 )
-
-REQUIRES = ("rocm_dsa_attention",)
-
-ROCM_ONLY = True  # see rocm_dsa_attention
-
-
-def keep_logical_topk_per_ubatch(model: Any) -> None:
-    """Wire a ROCm DSA model's layers to per-microbatch logical top-k."""
-    from vllm.models.deepseek_v32.amd.rocm import DeepseekV32MLAAttention
-
-    layers = [m for m in model.modules() if isinstance(m, DeepseekV32MLAAttention)]
-    share_ubatch_logical_topk(
-        [layer.impl.index_group for layer in layers],
-        [
-            (layer.indexer_op, layer.impl.index_group)
-            for layer in layers
-            if layer.indexer_op is not None
-        ],
-    )
-
-
-def apply(target: ModuleType) -> None:
-    call_after_init(target.DeepseekV32Model, keep_logical_topk_per_ubatch)

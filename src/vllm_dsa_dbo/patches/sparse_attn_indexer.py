@@ -6,54 +6,16 @@ import functools
 import inspect
 from collections.abc import Callable
 from types import CellType, ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from vllm.utils.torch_utils import _resolve_layer_name
 
-from vllm_dsa_dbo.core import _UBATCH_ID_OF_THREAD, resolve_logical_topk
-from vllm_dsa_dbo.patches import Patch
+from vllm_dsa_dbo.core import _UBATCH_ID_OF_THREAD, INDEXER_OP_LEADERS, resolve_logical_topk
+from vllm_dsa_dbo.patches._shared import Patch
 
-if TYPE_CHECKING:
-    from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroup
-
-PATCH = Patch(
-    target="vllm.model_executor.layers.sparse_attn_indexer",
-    replaces=("sparse_attn_indexer",),
-    why=(
-        "In the torch.compile'd deepseek_v2 / glm4_moe_lite DSA path the leader's "
-        "SparseAttnIndexer hands torch.ops.vllm.sparse_attn_indexer the model-wide "
-        "logical top-k buffer, fixed when the graph was traced: no Python around "
-        "the op can pick a microbatch's copy."
-    ),
-    how=(
-        "The op's registered callable is vLLM's eager_break_during_capture "
-        "wrapper; its closure cell fn now holds per_ubatch_indexer_kernel(fn), "
-        "which maps the buffer (by address) to the calling microbatch's copy for "
-        "leaders wired by the mla patch, and passes every other call through."
-    ),
-    upstream=(
-        "none yet: PR #60734 covers the eager deepseek_v32 path only; in tree this "
-        "is the buffer choice at the top of sparse_attn_indexer()"
-    ),
-    remove_when="a vLLM release that keeps the compiled DSA path's top-k per microbatch",
-)
-
-
-REQUIRES = ("index_group",)
-
-# Leaders whose logical top-k `torch.ops.vllm.sparse_attn_indexer` writes from
-# a torch.compile'd model, by the indexer's k-cache layer name: all the op body
-# sees of its caller.
-INDEXER_OP_LEADERS: dict[str, SparseMLAIndexGroup] = {}
 # The op body's parameters `per_ubatch_indexer_kernel` reads and replaces.
 INDEXER_KERNEL_PARAMETERS = ("k_cache_prefix", "topk_indices_buffer")
-
-
-def wire_indexer_op_leader(k_cache_prefix: str, group: SparseMLAIndexGroup) -> None:
-    """Let the indexer op of the leader at `k_cache_prefix` write through `group`."""
-    INDEXER_OP_LEADERS[k_cache_prefix] = group
-    group.leader_writes_follow_impl = True
 
 
 def per_ubatch_indexer_kernel(
@@ -118,3 +80,30 @@ def check(target: ModuleType) -> str | None:
 def apply(target: ModuleType) -> None:
     cell = closure_cell(target.sparse_attn_indexer, "fn")
     cell.cell_contents = per_ubatch_indexer_kernel(cell.cell_contents)
+
+
+PATCH = Patch(
+    name="sparse_attn_indexer",
+    target="vllm.model_executor.layers.sparse_attn_indexer",
+    replaces=("sparse_attn_indexer",),
+    why=(
+        "In the torch.compile'd deepseek_v2 / glm4_moe_lite DSA path the leader's "
+        "SparseAttnIndexer hands torch.ops.vllm.sparse_attn_indexer the model-wide "
+        "logical top-k buffer, fixed when the graph was traced: no Python around "
+        "the op can pick a microbatch's copy."
+    ),
+    how=(
+        "The op's registered callable is vLLM's eager_break_during_capture "
+        "wrapper; its closure cell fn now holds per_ubatch_indexer_kernel(fn), "
+        "which maps the buffer (by address) to the calling microbatch's copy for "
+        "leaders wired by the mla patch, and passes every other call through."
+    ),
+    upstream=(
+        "none yet: PR #60734 covers the eager deepseek_v32 path only; in tree this "
+        "is the buffer choice at the top of sparse_attn_indexer()"
+    ),
+    remove_when="a vLLM release that keeps the compiled DSA path's top-k per microbatch",
+    requires=("index_group",),
+    apply=apply,
+    check=check,
+)

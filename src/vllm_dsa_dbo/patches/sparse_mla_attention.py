@@ -6,31 +6,7 @@ from types import ModuleType
 from typing import Any
 
 from vllm_dsa_dbo.core import _UBATCH_ID_OF_THREAD, resolve_logical_topk
-from vllm_dsa_dbo.patches import Patch
-
-PATCH = Patch(
-    target="vllm.model_executor.layers.attention.sparse_mla_attention",
-    replaces=("SharedTopkIndicesBuffer.topk_indices_buffer",),
-    why=(
-        "Every sparse MLA impl reads the model-wide logical top-k buffer through "
-        "SharedTopkIndicesBuffer.topk_indices_buffer; under DBO both microbatches "
-        "read and write rows [0:n) of that one buffer."
-    ),
-    how=(
-        "The property getter resolves the buffer as vLLM's does (the indexer's, "
-        "else the explicit one), then the calling microbatch's copy from the "
-        "impl's index group; the setter is kept, so the MTP proposer still "
-        "re-points draft impls through it."
-    ),
-    upstream=(
-        "vllm PR #60734: SharedTopkIndicesBuffer.topk_indices_buffer returns the "
-        "extra microbatch's logical buffer when dbo_current_ubatch_id() > 0."
-    ),
-    remove_when="the vLLM release that merges PR #60734 (not in 0.33.0)",
-)
-
-
-REQUIRES = ("index_group",)
+from vllm_dsa_dbo.patches._shared import Patch
 
 
 def in_tree(target: ModuleType) -> str | None:
@@ -68,3 +44,30 @@ def topk_indices_buffer(self: Any) -> Any:
 def apply(target: ModuleType) -> None:
     mixin = target.SharedTopkIndicesBuffer
     mixin.topk_indices_buffer = property(topk_indices_buffer, mixin.topk_indices_buffer.fset)
+
+
+PATCH = Patch(
+    name="sparse_mla_attention",
+    target="vllm.model_executor.layers.attention.sparse_mla_attention",
+    replaces=("SharedTopkIndicesBuffer.topk_indices_buffer",),
+    why=(
+        "Every sparse MLA impl reads the model-wide logical top-k buffer through "
+        "SharedTopkIndicesBuffer.topk_indices_buffer; under DBO both microbatches "
+        "read and write rows [0:n) of that one buffer."
+    ),
+    how=(
+        "The property getter resolves the buffer as vLLM's does (the indexer's, "
+        "else the explicit one), then the calling microbatch's copy from the "
+        "impl's index group; the setter is kept, so the MTP proposer still "
+        "re-points draft impls through it."
+    ),
+    upstream=(
+        "vllm PR #60734: SharedTopkIndicesBuffer.topk_indices_buffer returns the "
+        "extra microbatch's logical buffer when dbo_current_ubatch_id() > 0."
+    ),
+    remove_when="the vLLM release that merges PR #60734 (not in 0.33.0)",
+    requires=("index_group",),
+    apply=apply,
+    check=check,
+    in_tree=in_tree,
+)

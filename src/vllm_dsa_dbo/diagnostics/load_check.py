@@ -1,0 +1,121 @@
+"""The load-time check: each model vLLM builds is refused under DBO where its followers
+would read shared top-k, else its startup line is logged."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import threading
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from vllm_dsa_dbo import settings
+from vllm_dsa_dbo.guard import refuse_hisparse
+from vllm_dsa_dbo.patches import Patch, replace_function
+
+
+def takes_vllm_config(build: Callable) -> str | None:
+    """None when `build` takes the `vllm_config` the check reads, else what differs."""
+    if "vllm_config" in inspect.signature(build).parameters:
+        return None
+    return f"{build.__module__}.{build.__name__} takes no vllm_config parameter"
+
+
+_building = threading.local()
+
+
+def checked_build(build: Callable[..., Any]) -> Callable[..., Any]:
+    """`build`, a vLLM function that builds a model for `vllm_config`, checking the
+    model the outermost call returns (sub-models are built inside it)."""
+    from vllm.v1.worker.ubatch_utils import get_num_ubatches
+
+    from vllm_dsa_dbo.diagnostics.refusals import check_wired
+    from vllm_dsa_dbo.diagnostics.startup import describe
+
+    signature = inspect.signature(build)
+
+    @functools.wraps(build)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        depth = getattr(_building, "depth", 0)
+        vllm_config = signature.bind(*args, **kwargs).arguments["vllm_config"]
+        if depth == 0:
+            refuse_hisparse(vllm_config)
+        _building.depth = depth + 1
+        try:
+            model = build(*args, **kwargs)
+        finally:
+            _building.depth = depth
+        if depth == 0:
+            check_wired(model, get_num_ubatches(vllm_config.parallel_config))
+            line = describe(model)
+            if line is not None:
+                settings.logger().info(line)
+        return model
+
+    return checked
+
+
+def _checking(name: str) -> Callable[[ModuleType], None]:
+    """The patch that checks every model `name` of its target builds."""
+    return lambda target: replace_function(target, name, checked_build(getattr(target, name)))
+
+
+BASE_LOADER = Patch(
+    name="base_loader",
+    target="vllm.model_executor.model_loader.utils",
+    replaces=("initialize_model",),
+    why=(
+        "An operator cannot see from the logs whether the fix is active for a model "
+        "or what it costs; and models whose leaders write the top-k outside "
+        "the per-microbatch writers (the deepseek_v2 / glm4_moe_lite DSA path on "
+        "ROCm), or whose followers build private index groups "
+        "that nothing wires (HYV4 on ROCm), would still share it between "
+        "microbatches. Every vLLM 0.33.0 loader builds its model through this "
+        "module's initialize_model (the base, tensorizer and IPC loaders import it "
+        "by value), except a vLLM-tensorized one (the tensorizer patch)."
+    ),
+    how=(
+        "Replaces initialize_model, in its module and in every module holding it "
+        "by value: after the outermost build, each worker "
+        "refuses, under DBO, a model whose followers would read shared top-k "
+        "state (groups built for fewer microbatches than the run has, leaders "
+        "not wired to the per-microbatch buffers, followers in "
+        "private groups nothing wired, followers of a sparse MLA backend without "
+        "index groups (XPU_MLA_SPARSE), groups a patch left unapplied, "
+        "DeepSeek-V4.1 buffers without per-microbatch copies, or MiniMax-M3 ROCm "
+        "cross-layer index buffers), else logs one INFO line with the microbatch "
+        "count, the index groups with followers (or V4.1's copied buffers), the "
+        "bytes allocated and the sparse MLA backend, and nothing when nothing was "
+        "allocated. Before the build it refuses HiSparse under DBO."
+    ),
+    upstream=(
+        "none for the log line; the refusals stand in for fixes PR #60734 does "
+        "not make (the deepseek_v2 path on ROCm, HYV4 on ROCm, XPU_MLA_SPARSE) "
+        "and, on ROCm, for PR #56476 (DeepSeek-V4.1)"
+    ),
+    remove_when="with the other patches (the vLLM release that merges PR #60734)",
+    apply=_checking("initialize_model"),
+    check=lambda target: takes_vllm_config(target.initialize_model),
+)
+TENSORIZER = Patch(
+    name="tensorizer",
+    target="vllm.model_executor.model_loader.tensorizer",
+    replaces=("init_tensorizer_model",),
+    why=(
+        "TensorizerLoader builds a vLLM-tensorized model with init_tensorizer_model, "
+        "which calls the model class itself, not initialize_model: without this, "
+        "such a model would skip the load-time check and the startup line."
+    ),
+    how=(
+        "Replaces init_tensorizer_model, in its module and in tensorizer_loader "
+        "(which imports it by value), with the load-time check of the base_loader "
+        "patch around it."
+    ),
+    upstream="none: the load-time check has no upstream counterpart",
+    remove_when="with the base_loader patch",
+    apply=_checking("init_tensorizer_model"),
+    check=lambda target: takes_vllm_config(target.init_tensorizer_model),
+)
+# With both in force every model build is checked at load; without, the guard refuses.
+PATCHES = (BASE_LOADER, TENSORIZER)

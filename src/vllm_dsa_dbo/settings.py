@@ -1,0 +1,75 @@
+"""The plugin's constants, environment switches and logger: the leaf every layer may import."""
+
+from __future__ import annotations
+
+import os
+
+from packaging.version import InvalidVersion, Version
+
+SUPPORTED_VLLM = "0.33.0"
+DISABLE_ENV = "VLLM_DSA_DBO_DISABLE"
+CHECK_ENV = "VLLM_DSA_DBO_CHECK"
+CHECK_MODES = ("raise", "audit")
+# Under "vllm." so that lines carry vLLM's log format and level.
+LOGGER_NAME = "vllm.dsa_dbo"
+
+# The spellings of "off" every plugin switch accepts, and of "on" for a yes/no one.
+OFF = ("", "0", "false", "no", "off", "none")
+ON = ("1", "true", "yes", "on")
+# VLLM_DSA_DBO_DISABLE's modes: the fix off with its refusals kept, or vLLM as shipped.
+REFUSE = "refuse"
+STOCK = "stock"
+
+
+class EnvValueError(ValueError):
+    """A plugin environment variable set to a value it does not know."""
+
+
+def env_choice(name: str, choices: tuple[str, ...], meaning: str) -> str | None:
+    """`name`'s value from `choices` (any case), None when unset or off; else EnvValueError."""
+    raw = os.environ.get(name, "")
+    value = raw.strip().lower()
+    if value in OFF:
+        return None
+    if value in choices:
+        return value
+    raise EnvValueError(
+        f"{name}={raw!r} is not understood: set {_either(choices)} to {meaning}, or unset "
+        f"it ({_either(OFF[1:])} also mean off)"
+    )
+
+
+def _either(values: tuple[str, ...]) -> str:
+    return ", ".join(values[:-1]) + " or " + values[-1] if len(values) > 1 else values[0]
+
+
+def disable_mode() -> str | None:
+    """VLLM_DSA_DBO_DISABLE: None (fix on), REFUSE or STOCK; EnvValueError for another value."""
+    value = env_choice(
+        DISABLE_ENV,
+        (*ON, STOCK),
+        f"turn the fix off and refuse what it would fix ({STOCK}: run vLLM's stock, corrupted "
+        "behaviour for A/B runs)",
+    )
+    return value if value in (None, STOCK) else REFUSE
+
+
+def check_mode() -> str | None:
+    """The isolation checker mode VLLM_DSA_DBO_CHECK asks for; EnvValueError for another value."""
+    return env_choice(CHECK_ENV, CHECK_MODES, "turn the checker on")
+
+
+def is_supported_vllm(version: str) -> bool:
+    """0.33.0 and its local builds; never a pre-release or another release."""
+    try:
+        parsed = Version(version)
+    except InvalidVersion:
+        return False
+    return parsed.public == SUPPORTED_VLLM
+
+
+def logger():
+    """The plugin's vLLM logger."""
+    from vllm.logger import init_logger
+
+    return init_logger(LOGGER_NAME)
