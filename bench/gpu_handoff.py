@@ -35,9 +35,9 @@ def measure_phase(phase: str) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     import vllm_dsa_dbo
-    from vllm_dsa_dbo.diagnostics.layout import leader_mask
     from vllm_dsa_dbo import cpu_dbo
     from vllm_dsa_dbo.cpu_dbo import FIRST_MOE_LAYER, GLM5_LAYOUT, SharedTopkStack
+    from vllm_dsa_dbo.diagnostics.layout import leader_mask
 
     vllm_dsa_dbo.register()
     result: dict = {"phase": phase, "gpu": torch.cuda.get_device_name(0)}
@@ -76,8 +76,8 @@ def glm53_extra_bytes(index_topk_freq: int) -> dict:
     from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroupBuilder
 
     from vllm_dsa_dbo.cli import GLM53
-    from vllm_dsa_dbo.diagnostics.startup import ubatch_topk_bytes
     from vllm_dsa_dbo.diagnostics.layout import leader_mask
+    from vllm_dsa_dbo.diagnostics.startup import ubatch_topk_bytes
 
     leaders = leader_mask({**GLM53, "index_topk_freq": index_topk_freq})
     allocated, builders = {}, {}

@@ -14,9 +14,9 @@ import pytest
 import torch.nn as nn
 
 import forkserver
-from vllm_dsa_dbo.diagnostics.startup import ubatch_topk_bytes
-from vllm_dsa_dbo.diagnostics.layout import leader_mask
 from vllm_dsa_dbo.cpu_dbo import SharedTopkStack, attention_module
+from vllm_dsa_dbo.diagnostics.layout import leader_mask
+from vllm_dsa_dbo.diagnostics.startup import ubatch_topk_bytes
 
 
 def cli(*args: str, **env: str) -> subprocess.CompletedProcess:

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_dsa_dbo.cpu_dbo import FakeStream
-from vllm_dsa_dbo.cpu_dbo import SharedTopkStack
+from vllm_dsa_dbo.cpu_dbo import FakeStream, SharedTopkStack
 
 LEADERS = [True, True, False]
 
@@ -90,9 +89,8 @@ def test_dbo_ubatch_leaders_writing_elsewhere_are_refused(fake_gpu):
     its group never resolves per microbatch, and the loader refuses the model."""
     import torch.nn as nn
 
+    from vllm_dsa_dbo.cpu_dbo import make_impl, run_dbo_step
     from vllm_dsa_dbo.diagnostics.refusals import check_wired
-    from vllm_dsa_dbo.cpu_dbo import run_dbo_step
-    from vllm_dsa_dbo.cpu_dbo import make_impl
 
     stack = SharedTopkStack(LEADERS, num_ubatches=2)
     leader = make_impl(stack.builder, stack.buffer, leads=True)
@@ -119,8 +117,8 @@ def test_dbo_ubatch_followers_in_private_groups_are_refused(fake_gpu, num_ubatch
     import torch.nn as nn
     from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroupBuilder
 
-    from vllm_dsa_dbo.diagnostics.refusals import check_wired
     from vllm_dsa_dbo.cpu_dbo import attention_module, make_impl
+    from vllm_dsa_dbo.diagnostics.refusals import check_wired
 
     buffer = torch.full((32, 128), -1, dtype=torch.int32)
     impls = [

@@ -280,8 +280,7 @@ def checked_step(model: nn.Module, monkeypatch, mode: str):
     """The DBO step with the isolation checker's V4.1 hooks in place."""
     from vllm.models.deepseek_v41.attention import DeepseekV4Attention
 
-    from vllm_dsa_dbo.diagnostics.isolation import IsolationChecker
-    from vllm_dsa_dbo.diagnostics.isolation import checked_v41_layer
+    from vllm_dsa_dbo.diagnostics.isolation import IsolationChecker, checked_v41_layer
 
     checker = IsolationChecker(mode)
     stock = DeepseekV4Attention._sparse_indexer_and_attn

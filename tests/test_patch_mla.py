@@ -20,10 +20,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-from vllm_dsa_dbo.cpu_dbo import FakeStream
 from vllm_dsa_dbo.cpu_dbo import (
     MAX_DECODE_ROWS,
     MAX_NUM_BATCHED_TOKENS,
+    FakeStream,
     SharedTopkStack,
     make_impl,
     step_inputs,
@@ -207,8 +207,7 @@ def test_traced_code_reads_microbatch_0s_group_state(fake_gpu):
     """vLLM compiles a model on its first forward, which under DBO runs in a
     microbatch thread: traced reads of the group's state must neither break
     the graph (fullgraph) on the thread lookup nor pick that microbatch's copy."""
-    from vllm_dsa_dbo.cpu_dbo import run_dbo_step
-    from vllm_dsa_dbo.cpu_dbo import SharedTopkStack
+    from vllm_dsa_dbo.cpu_dbo import SharedTopkStack, run_dbo_step
 
     stack = SharedTopkStack(LEADERS, num_ubatches=2)
     group = stack.impls[2].index_group

@@ -11,8 +11,8 @@ def snapshot(worker) -> dict:
     import dsa_dbo_harness
     from vllm_dsa_dbo import patches
     from vllm_dsa_dbo.diagnostics import isolation
-    from vllm_dsa_dbo.diagnostics.startup import ubatch_topk_bytes
     from vllm_dsa_dbo.diagnostics.refusals import followed_groups, index_groups
+    from vllm_dsa_dbo.diagnostics.startup import ubatch_topk_bytes
 
     model = worker.model_runner.model
     groups = index_groups(model)
