@@ -22,19 +22,17 @@ def register() -> None:
 
 
 def _register(logger: Any) -> None:
-    from vllm_dsa_dbo import guard, patches
+    from vllm_dsa_dbo import guard, patches, settings
     from vllm_dsa_dbo.diagnostics import isolation, load_check
     from vllm_dsa_dbo.settings import DISABLE_ENV, REFUSE, STOCK, EnvValueError
-    from vllm_dsa_dbo.settings import check_mode as parse_check
-    from vllm_dsa_dbo.settings import disable_mode as parse_disable
 
     try:
-        check = parse_check()
+        check = settings.check_mode()
     except EnvValueError as e:
         logger.error("vllm-dsa-dbo: %s. The isolation checker stays off.", e)
         check = None
     try:
-        mode = parse_disable()
+        mode = settings.disable_mode()
     except EnvValueError as e:
         logger.error("vllm-dsa-dbo: %s. The fix is applied.", e)
         mode = None

@@ -1,17 +1,13 @@
-"""Shared top-k state of sparse MLA index groups, kept per DBO microbatch.
+"""Shared top-k state kept per DBO microbatch: its types, its lookup by the calling
+microbatch, its allocation; patches nothing.
 
-A leader layer writes the logical top-k and its group converts it to physical
-top-k once; follower layers read both later. Under dual batch overlap the
-microbatches interleave between a leader and its followers, so every
-microbatch after the first needs its own copy of that state. This module holds
-the state type, its per-microbatch lookup and its allocation, for
-`vllm/v1/attention/backends/mla/index_group.py`; it patches nothing. The
-upstream change (`vllm-dsa-dbo upstream-patch`) has the same parts in vLLM's
-own shape: `topk_state` is `SparseMLAIndexGroup._topk_state()`,
-`resolve_logical_topk` is `ubatch_logical_topk_indices()`, and
-`init_builder_state` / `add_layer_state` are `SparseMLAIndexGroupBuilder`'s
-`__init__(..., num_ubatches)` / `_add_ubatch_topk`; why the shapes differ is
-in docs/UPSTREAM.md.
+A leader layer writes the logical top-k and its index group converts it to physical
+top-k once; follower layers read both later. DBO interleaves the microbatches between
+a leader and its followers, so every microbatch after the first needs its own copy.
+The upstream change has the same parts in vLLM's shape (docs/UPSTREAM.md):
+`topk_state` is `SparseMLAIndexGroup._topk_state()`, `resolve_logical_topk` is
+`ubatch_logical_topk_indices()`, `init_builder_state` / `add_layer_state` are the
+builder's `__init__(..., num_ubatches)` / `_add_ubatch_topk`.
 """
 
 from __future__ import annotations
@@ -36,11 +32,7 @@ _UBATCH_ID_OF_THREAD: dict[int, int] = getattr(ubatching, "_THREAD_ID_TO_CONTEXT
 
 
 def current_ubatch_id() -> int:
-    """DBO microbatch of the calling thread; 0 for any other thread.
-
-    `dbo_current_ubatch_id()` raises KeyError for a thread that is not a
-    microbatch thread while microbatches run; a state lookup must not.
-    """
+    """DBO microbatch of the calling thread, 0 for any other (vLLM's own lookup raises)."""
     if not _UBATCH_ID_OF_THREAD:  # no microbatch running: skip the thread lookup
         return 0
     return _UBATCH_ID_OF_THREAD.get(threading.get_ident(), 0)
@@ -71,11 +63,8 @@ UBATCH_TOPK_FIELDS = tuple(f.name for f in fields(UbatchTopkState))
 
 @dataclass(eq=False)
 class UbatchLogicalTopk:
-    """The logical top-k buffers of microbatches 1.. that one builder's groups share.
-
-    The builder owns it and hands it to every group it builds, leaders before
-    their first follower included; `allocate` fills it once, at that follower.
-    """
+    """The logical top-k buffers of microbatches 1.. that one builder's groups share,
+    allocated at its first follower."""
 
     buffer: torch.Tensor
     num_ubatches: int
@@ -89,11 +78,8 @@ class UbatchLogicalTopk:
 
 
 def topk_state(group: SparseMLAIndexGroup) -> SparseMLAIndexGroup | UbatchTopkState:
-    """The group itself for microbatch 0, else that microbatch's extra copy.
-
-    Groups without followers have no extra copies: they write and read their
-    top-k within one layer, with no yield in between.
-    """
+    """The group itself for microbatch 0, else that microbatch's extra copy (groups without
+    followers have none: they write and read within one layer, with no yield between)."""
     ubatch_id = current_ubatch_id()
     if ubatch_id == 0 or not group.ubatch_topk_states:
         return group
@@ -101,13 +87,8 @@ def topk_state(group: SparseMLAIndexGroup) -> SparseMLAIndexGroup | UbatchTopkSt
 
 
 class UbatchTopkField:
-    """Group attribute that resolves to the calling microbatch's copy, as
-    `topk_state` does, so vLLM's methods reading it run unchanged.
-
-    Microbatch 0 keeps the value the group was built with. Code torch.compile
-    traces sees microbatch 0's: a traced graph cannot choose per microbatch,
-    and Dynamo cannot trace the thread lookup.
-    """
+    """Group attribute resolving to the calling microbatch's copy, so vLLM's methods reading
+    it run unchanged; traced code sees microbatch 0's (Dynamo cannot trace the lookup)."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -138,10 +119,8 @@ def resolve_logical_topk(
 ) -> torch.Tensor | None:
     """The calling microbatch's logical top-k buffer in place of `buffer`.
 
-    Only the builder's own logical buffer has microbatch copies; a buffer
-    re-pointed elsewhere (the MTP draft's) resolves to itself. So does the
-    buffer of a group whose leader writes the top-k without asking the impl
-    (its writers would fill microbatch 0's buffer for every microbatch).
+    A buffer re-pointed elsewhere (the MTP draft's) resolves to itself, and so does that
+    of a group whose leader's writers do not ask the impl (they would fill microbatch 0's).
     """
     ubatch_id = current_ubatch_id()
     if ubatch_id == 0 or group is None or not group.leader_writes_follow_impl:
@@ -164,12 +143,8 @@ def init_builder_state(builder: SparseMLAIndexGroupBuilder, num_ubatches: int) -
 def add_layer_state(
     builder: SparseMLAIndexGroupBuilder, group: SparseMLAIndexGroup, layer_index: int
 ) -> None:
-    """Give `group`, just registered at `layer_index`, what its microbatches need.
-
-    A new group gets the builder's microbatch count and logical buffers; at its
-    first follower, and only with several microbatches, it gets a
-    `UbatchTopkState` per extra microbatch, and the logical buffers are allocated.
-    """
+    """Give `group`, just registered at `layer_index`, what its microbatches need: copies
+    of its state and the logical buffers at its first follower, with several microbatches."""
     if layer_index == 0:
         group.num_ubatches = builder.num_ubatches
         group.ubatch_logical_topk = builder.ubatch_logical_topk
@@ -204,13 +179,8 @@ def thread_registry_mismatch() -> str | None:
 
 
 def per_ubatch_indexer_op(indexer_op_cls: type) -> type:
-    """`indexer_op_cls` writing the calling microbatch's logical top-k.
-
-    Models without a shared index-group builder give each leader's indexer op
-    the model-wide buffer. Once `share_ubatch_logical_topk` has set the op's
-    `index_group`, the op resolves that buffer as the followers' impls do;
-    before that (unwired models, MTP drafts) it is vLLM's.
-    """
+    """`indexer_op_cls` writing the calling microbatch's logical top-k once
+    `share_ubatch_logical_topk` gave it its group (unwired models, MTP drafts: vLLM's)."""
 
     class IndexerOp(indexer_op_cls):
         index_group = None
@@ -232,13 +202,11 @@ def share_ubatch_logical_topk(
 ) -> None:
     """Per-microbatch logical top-k for a model whose layers build private groups.
 
-    `groups` holds every sparse layer's group and `leaders` each leader's
-    (indexer op, group). Such groups convert and read their physical top-k
-    within one layer, so only the shared logical buffer needs copies. Wires
-    nothing unless several microbatches run, some layer reuses another's
-    top-k, all groups share one buffer and every leader's op resolves through
-    its group (`per_ubatch_indexer_op`): the loader then refuses the model
-    under DBO.
+    `groups`: every sparse layer's; `leaders`: each leader's (indexer op, group). Such
+    groups convert and read their physical top-k within one layer: only the logical
+    buffer needs copies. Wires nothing (and the loader refuses the model under DBO)
+    unless several microbatches run, some layer reuses another's top-k, all groups share
+    one buffer and every leader's op resolves through its group.
     """
     if not groups or any(g is None for g in groups) or groups[0].num_ubatches < 2:
         return

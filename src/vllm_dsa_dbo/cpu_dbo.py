@@ -1,15 +1,11 @@
-"""One DBO step through a GLM-5-shaped stack of vLLM's real sparse MLA layers, on a CPU:
-what `vllm-dsa-dbo demo` runs (the tests and benches reuse it).
+"""What `vllm-dsa-dbo demo` runs (the tests and benches too): one DBO step through a
+GLM-5-shaped stack of vLLM's real sparse MLA layers, on a CPU.
 
-Everything here is vLLM's own code (microbatch contexts and threads, index
-groups, sparse MLA impls, the Triton top-k conversion under Triton's
-interpreter) except CUDA streams and events, which get CPU stand-ins. Call
-`vllm_dsa_dbo.demo.use_cpu()` before vLLM is imported.
-
-Each leader writes a logical top-k that is unique to its layer and microbatch;
-each layer then reads its top-k the way the attention does (logical buffer,
-then the group's converted physical top-k). Comparing what was read with what
-every leader wrote tells whose top-k each follower attended over.
+All of it is vLLM's own code (microbatch threads, index groups, sparse MLA impls, the
+Triton top-k conversion, interpreted) but CUDA streams and events, which get stand-ins;
+call `vllm_dsa_dbo.demo.use_cpu()` before vLLM is imported. Each leader writes a top-k
+unique to its layer and microbatch, and each layer reads its top-k as the attention
+does: what each read matches tells whose top-k each follower attended over.
 """
 
 from __future__ import annotations
@@ -86,12 +82,6 @@ def fake_streams() -> Iterator[None]:
         set_stream(None)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextmanager
 def cpu_vllm() -> Iterator[object]:
     """A CPU vLLM config in force and a one-rank gloo world, as a worker has."""
@@ -105,10 +95,13 @@ def cpu_vllm() -> Iterator[object]:
     config = VllmConfig(device_config=DeviceConfig(device="cpu"))
     with set_current_vllm_config(config):
         if not model_parallel_is_initialized():
+            with socket.socket() as free:  # a free port, for gloo to bind
+                free.bind(("127.0.0.1", 0))
+                port = free.getsockname()[1]
             init_distributed_environment(
                 world_size=1,
                 rank=0,
-                distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
+                distributed_init_method=f"tcp://127.0.0.1:{port}",
                 local_rank=0,
                 backend="gloo",
             )
@@ -117,13 +110,9 @@ def cpu_vllm() -> Iterator[object]:
 
 
 def run_dbo_step(step: Callable[[int], None], num_ubatches: int = 2, stream: object = None) -> None:
-    """Run `step(ubatch_id)` in vLLM's microbatch threads, as UBatchWrapper does.
-
-    Each thread enters a real `UBatchContext`; `dbo_yield()` inside `step`
-    hands over to the next microbatch exactly as the MoE's dispatch does.
-    `stream` is the shared compute/comm stream: a real CUDA stream on a GPU,
-    the CPU stand-in by default.
-    """
+    """Run `step(ubatch_id)` in vLLM's microbatch threads, as UBatchWrapper does: each in
+    a real `UBatchContext`, where `dbo_yield()` hands over as the MoE's dispatch does.
+    `stream`: the shared compute/comm stream (a CUDA stream on a GPU; a stand-in here)."""
     from vllm import forward_context
     from vllm.config import get_current_vllm_config
     from vllm.forward_context import create_forward_context
@@ -249,9 +238,8 @@ def make_impl(
 
 
 def attention_module(impl: SparseMLACommonImpl, buffer: torch.Tensor) -> nn.Module:
-    """The `DeepseekV32Attention` state its leader writers take the buffer from:
-    what its `__init__` (with the plugin's hooks) does with the buffer once the
-    impl exists."""
+    """The `DeepseekV32Attention` state its leader's writers take the buffer from, as its
+    `__init__` (with the plugin's hooks) leaves it."""
     attn = DeepseekV32Attention.__new__(DeepseekV32Attention)
     nn.Module.__init__(attn)
     attn.impl = impl
@@ -295,8 +283,7 @@ def physical_topk(source: Source, device: str = "cpu") -> tuple[torch.Tensor, to
 def step_inputs(
     leaders: list[bool], device: str = "cpu"
 ) -> tuple[dict[tuple[int, int], torch.Tensor], list[SimpleNamespace]]:
-    """Every leader's top-k and the metadata per microbatch, on the device up
-    front: the step itself copies nothing in."""
+    """Every leader's top-k and each microbatch's metadata, on the device up front."""
     inputs = {
         (u, i): logical_topk(Source(u, i), device)
         for u in (0, 1)
@@ -307,11 +294,8 @@ def step_inputs(
 
 
 class SharedTopkStack:
-    """Sparse MLA layers sharing one top-k builder, as `DeepseekV32Model` builds them.
-
-    `num_ubatches=None` builds the stock way (vLLM 0.33.0's builder has no such
-    argument); with the fix applied it is the builder's microbatch count.
-    """
+    """Sparse MLA layers sharing one top-k builder, as `DeepseekV32Model` builds them;
+    `num_ubatches=None` builds them as stock vLLM, whose builder takes no count."""
 
     def __init__(self, leaders: list[bool], num_ubatches: int | None, device: str = "cpu") -> None:
         self.leaders = leaders
@@ -344,15 +328,12 @@ class SharedTopkStack:
         return logical.clone(), physical.clone(), counts.clone()
 
     def lead(self, layer: int, logical: torch.Tensor) -> None:
-        """A leader's writes, into the buffer its attention module hands
-        fused_norm_rope and sparse_attn_indexer, then its ready event."""
+        """A leader's writes, into the buffer its attention module hands its writers."""
         self.attns[layer].topk_indices_buffer[: logical.shape[0]] = logical
         self.impls[layer].record_logical_topk_ready()
 
     def run_step(self, yield_from_layer: int = 0, stream: object = None) -> list[Read]:
-        """One DBO step: every layer in both microbatches, yielding after each
-        layer from `yield_from_layer` on (the MoE layers' dispatch/combine).
-        `stream`: a real CUDA compute stream, else the CPU stand-in."""
+        """One DBO step, yielding after each layer from `yield_from_layer` on (the MoE's)."""
         return self.classify(self.run_reads(yield_from_layer, stream))
 
     def run_reads(
@@ -404,7 +385,6 @@ def _same(read: torch.Tensor, written: torch.Tensor) -> bool:
     return torch.equal(read[:rows], written[:rows])
 
 
-# GLM-5.x's shared top-k layout, 8 layers; 3 dense layers first, so the
-# first MoE yield follows layer 3.
+# GLM-5.x's layout in 8 layers; 3 dense layers first, so the first MoE yield follows layer 3.
 GLM5_LAYOUT = {"num_hidden_layers": 8, "index_topk_freq": 4, "index_skip_topk_offset": 3}
 FIRST_MOE_LAYER = 3

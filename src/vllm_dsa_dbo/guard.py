@@ -1,10 +1,6 @@
-"""Where the plugin cannot fix shared top-k under DBO, refuse it instead.
-
-vLLM versions other than 0.33.0, a 0.33.0 whose load-time check could not be
-installed, and a run with the fix turned off get a guard that refuses, at config
-creation and at model build, a DSA model with shared top-k layers, or HiSparse,
-under DBO; nothing else changes.
-"""
+"""Where the plugin cannot fix shared top-k under DBO (another vLLM version, a 0.33.0
+without its load-time check, the fix turned off), refuse it at config creation and model
+build: a DSA model with shared top-k layers, or HiSparse, under DBO; nothing else."""
 
 from __future__ import annotations
 
@@ -12,7 +8,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from vllm_dsa_dbo.patches._shared import replace_function
+from vllm_dsa_dbo.patches import replace_function
 from vllm_dsa_dbo.settings import SUPPORTED_VLLM, is_supported_vllm
 
 # Config keys by which a vLLM 0.33.0 DSA model hands one layer's top-k to another.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 from packaging.version import InvalidVersion, Version
@@ -68,7 +69,7 @@ def is_supported_vllm(version: str) -> bool:
     return parsed.public == SUPPORTED_VLLM
 
 
-def logger():
+def logger() -> logging.Logger:
     """The plugin's vLLM logger."""
     from vllm.logger import init_logger
 

@@ -1,27 +1,14 @@
 """Opt-in checker: no layer reads top-k state another microbatch or step wrote.
 
-`VLLM_DSA_DBO_CHECK=raise` raises `MicrobatchIsolationError` at the first bad
-read; `VLLM_DSA_DBO_CHECK=audit` logs each (writer, reader, state) once and
-counts every bad read, so it can audit vLLM's stock state with the fix
-disabled. Unset (the default), nothing is installed and nothing costs.
-
-Host-side bookkeeping only, at the three places the hand-off happens (the
-`patches/isolation_*` patches, applied only when the checker is on):
-- a leader's `record_logical_topk_ready()` writes the logical top-k buffer and
-  its ready event;
-- a group's `_convert_once()` at layer 0 writes the physical top-k rows, the
-  valid counts and their ready event; at a follower it reads them;
-- a follower impl's `topk_indices_buffer` reads the logical buffer;
-- DeepSeek-V4.1: each layer's `_sparse_indexer_and_attn` reads the top-k of
-  the index source below it and the candidate blocks of the candidate source
-  before it runs, and writes them after it, as its layer's role says.
-Each write stamps the state object (the resolved buffer or event) with the
-microbatch and the step's forward context; each read inside a forward
-compares (outside one, no microbatch runs). Python runs in
-eager steps and during CUDA-graph capture, so both are checked; replays reuse
-what capture checked. A torch.compile'd model (the deepseek_v2 DSA path) runs
-the leader's `record_logical_topk_ready()` only while it is traced, so there
-the logical buffer's reads go unchecked; the physical state is checked.
+`VLLM_DSA_DBO_CHECK=raise` raises at the first bad read; `audit` logs each (writer,
+reader, state) once and counts every bad read, so it can audit stock vLLM with the fix
+off. Unset, nothing is installed. Host-side bookkeeping at the hand-offs (`PATCHES`,
+applied only when it is on): each write (a leader's `record_logical_topk_ready()`, a
+group's `_convert_once()` at layer 0, a DeepSeek-V4.1 index or candidate source) stamps
+the state object with the microbatch and the step's forward context; each read inside a
+forward compares. Eager steps and CUDA-graph capture run Python, so both are checked; a
+torch.compile'd model records the leader's logical top-k only while traced, so there only
+the physical state is checked.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
-"""Which layers of a DSA model lead (run the indexer), which follow, and what
-the plugin keeps per DBO microbatch for them, per vLLM 0.33.0 code path.
+"""For `memory`: which layers of a DSA model lead, which follow, and what the plugin keeps
+per DBO microbatch for them, per vLLM 0.33.0 code path.
 
-`check_config` reads only the config's JSON (no torch, no vLLM) and refuses
-what vLLM would refuse or misread. The rules are then vLLM's own
-(`compute_skip_topk_layers`, which `DeepseekV32Attention` and
-`DeepseekV2MLAAttention` spell out inline; HYV4's config class; MiniMax-M3's
-`_should_skip_index_topk`) and the loader's refusal rule; the grouping is
-`SparseMLAIndexGroupBuilder.register_layer`'s.
+`check_config` reads only the JSON (no torch, no vLLM) and refuses what vLLM would refuse
+or misread; the rules are then vLLM's own functions of the config, and the DeepSeek-V4.1
+one the patch allocates by.
 """
 
 from __future__ import annotations

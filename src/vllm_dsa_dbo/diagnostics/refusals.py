@@ -39,15 +39,8 @@ def followed_groups(groups: list[SparseMLAIndexGroup]) -> list[SparseMLAIndexGro
 
 
 def shares_topk_across_ubatches(group: SparseMLAIndexGroup) -> bool:
-    """Whether, under DBO, a layer of `group` would read a top-k that another
-    layer wrote into state the microbatches share.
-
-    That is a group with followers, or a follower with a group of its own
-    (models whose layers build private groups, like HYV4 and the ROCm DSA
-    path), that runs with several microbatches and lacks per-microbatch
-    copies wired to its leader's writers: the logical buffer, and for a
-    group with followers also its physical state.
-    """
+    """Whether, under DBO, a layer of `group` (with followers, or a follower's own) would read
+    a top-k another layer wrote into state without per-microbatch copies its leader writes."""
     if group.num_ubatches < 2 or not reads_another_layers_topk(group):
         return False
     copied = group.ubatch_topk_states if group.num_layers > 1 else has_logical_copies(group)
@@ -87,15 +80,9 @@ def reads_candidates(attn: Any) -> bool:
 
 
 def hands_topk_outside_index_groups(module: Any) -> bool:
-    """A layer that reads top-k state another layer wrote, outside vLLM's
-    index groups, in a model-wide buffer the microbatches share.
-
-    DeepSeek-V4.1 (unless deepseek_v41_model gave the buffers per-microbatch
-    copies, as on CUDA): a layer that is no index source reuses an index
-    source's top-k, and indexers mask their scores with the candidate blocks
-    of `candidate_source_layer_id`. MiniMax-M3 on ROCm with `use_index_cache`:
-    a `skip_index_topk` layer reuses the previous one's.
-    """
+    """A layer reading top-k state another layer wrote outside index groups, in a model-wide
+    buffer without per-microbatch copies (DeepSeek-V4.1's top-k and candidate blocks off
+    CUDA; MiniMax-M3's `skip_index_topk` layers on ROCm)."""
     if getattr(module, "skip_index_topk", False) is True:
         return True
     if reuses_topk(module) and not ubatch_copies(stored_buffer(module, "topk_indices_buffer")):

@@ -1,10 +1,7 @@
 """The fix's patches of vLLM 0.33.0, one module per patched vLLM module, and how they go on.
 
-Each module here defines `PATCH`, a `Patch` record: the target's symbols it sets,
-Why, How, Upstream, Remove when, the patches it requires, and the functions that
-apply it, check the vLLM internals it relies on, and tell whether the target's own
-code makes it redundant (a vLLM carrying the upstream change). `status`, docs and
-tests read the records from here; nothing keeps a second list by hand.
+Each module defines `PATCH`, its `Patch` record; `status`, docs and tests read the
+records, and the order they go on comes from their `requires`: no list is kept by hand.
 """
 
 from __future__ import annotations
