@@ -84,7 +84,7 @@ MUTATIONS = {
     ),
     "model modules imported at registration": (
         "patches/__init__.py",
-        "        if apply and target_name.startswith(MODEL_PACKAGES):\n",
+        "        if patch.target.startswith(MODEL_PACKAGES):\n",
         "        if False:\n",
         MODEL_MODULES_TEST,
     ),
@@ -131,7 +131,7 @@ MUTATIONS = {
         HYV4_TEST,
     ),
     "indexer op writes microbatch 0's buffer (HYV4)": (
-        "patches/_private_groups.py",
+        "core.py",
         "            return resolve_logical_topk(self.index_group, self._topk_indices_buffer)\n",
         "            return self._topk_indices_buffer\n",
         HYV4_TEST,
@@ -149,13 +149,13 @@ MUTATIONS = {
         ROCM_TEST,
     ),
     "leaders' indexer ops not given their group (ROCm DSA)": (
-        "patches/_private_groups.py",
+        "core.py",
         "        op.index_group = group\n",
         "        pass\n",
         ROCM_TEST,
     ),
     "indexer op writes microbatch 0's buffer (ROCm DSA)": (
-        "patches/_private_groups.py",
+        "core.py",
         "            return resolve_logical_topk(self.index_group, self._topk_indices_buffer)\n",
         "            return self._topk_indices_buffer\n",
         ROCM_TEST,
@@ -252,22 +252,21 @@ MUTATIONS = {
         XPU_TEST,
     ),
     "only base_loader's alias of initialize_model checked (IPC loader)": (
-        "patches/base_loader.py",
-        '    replace_function(target, "initialize_model", '
-        "checked_build(target.initialize_model))\n",
-        "    __import__(target.__name__.replace('utils', 'base_loader'), fromlist=['x'])"
-        ".initialize_model = checked_build(target.initialize_model)\n",
+        "diagnostics/load_check.py",
+        '    apply=_checking("initialize_model"),\n',
+        "    apply=lambda target: setattr(__import__(target.__name__.replace('utils', "
+        "'base_loader'), fromlist=['x']), 'initialize_model', "
+        "checked_build(target.initialize_model)),\n",
         f"{LOADER_TEST}[ipc_cache]",
     ),
     "vLLM-tensorized models built unchecked": (
-        "patches/tensorizer.py",
-        '    replace_function(target, "init_tensorizer_model", '
-        "checked_build(target.init_tensorizer_model))\n",
-        "    pass\n",
+        "diagnostics/load_check.py",
+        '    apply=_checking("init_tensorizer_model"),\n',
+        "    apply=lambda target: None,\n",
         f"{LOADER_TEST}[tensorizer_vllm_tensorized]",
     ),
     "modules that imported a build function before registration keep vLLM's": (
-        "patches/__init__.py",
+        "patches/_shared.py",
         '        if getattr(holder, "__dict__", {}).get(name) is stock:\n',
         "        if False:\n",
         ALIAS_TEST,
@@ -280,14 +279,14 @@ MUTATIONS = {
     ),
     "the patches a vLLM carries applied over its own": (
         "patches/__init__.py",
-        '    carried = module.in_tree(target) if hasattr(module, "in_tree") else None\n',
+        "    carried = patch.in_tree(target)\n",
         "    carried = None\n",
         TREE_TEST,
     ),
     "the guard checks at config creation only": (
         "guard.py",
-        "        seams.append(seam)\n",
-        "        seams.append(seam)\n        break\n",
+        "        put(why)\n",
+        "        put(why)\n        break\n",
         "tests/test_guard.py::"
         "test_other_version_refuses_at_model_build_a_config_made_before_register",
     ),
@@ -305,14 +304,14 @@ MUTATIONS = {
         "test_off_switch_keeps_the_refusals_and_stock_is_explicit[off-keeps-refusals]",
     ),
     "HiSparse under DBO loaded": (
-        "patches/base_loader.py",
+        "diagnostics/load_check.py",
         "            refuse_hisparse(vllm_config)\n",
         "            pass\n",
         "tests/test_plugin.py::test_hisparse_under_dbo_is_refused_at_load_whatever_the_layout",
     ),
     "thread registry not checked": (
         "patches/index_group.py",
-        "    return thread_registry_mismatch() or "
+        "    return core.thread_registry_mismatch() or "
         "builder_mismatch(target.SparseMLAIndexGroupBuilder)\n",
         "    return builder_mismatch(target.SparseMLAIndexGroupBuilder)\n",
         "tests/test_live_checks.py::test_thread_registry_check[registry_rebound]",
@@ -331,15 +330,17 @@ MUTATIONS = {
     ),
     "DeepSeek-V4.1 buffers without copies loaded under DBO (ROCm)": (
         "diagnostics/refusals.py",
-        "        deepseek_v41_model.unwired_hand_off(module)\n",
-        "        False\n",
+        "    if reuses_topk(module) and not ubatch_copies(stored_buffer(module, "
+        '"topk_indices_buffer")):\n        return True\n',
+        "",
         "tests/test_cross_layer_refusal.py::"
         "test_cross_layer_topk_outside_index_groups_refused_under_dbo[deepseek_v41 index sharing]",
     ),
     "DeepSeek-V4.1 indexers without a candidate buffer counted as readers": (
         "patches/deepseek_v41_model.py",
-        '        and stored_buffer(attn, "candidate_block_buffer") is not None\n',
-        "",
+        "    candidates = candidate_source >= 0 and "
+        'getattr(config, "candidate_topk_blocks", 0) > 0\n',
+        "    candidates = candidate_source >= 0\n",
         "tests/test_memory.py::test_memory_follows_the_architecture[v41-no-candidate-blocks]",
     ),
     "DeepSeek-V4.1 indexer ops' buffers not checked": (
@@ -357,7 +358,7 @@ MUTATIONS = {
     ),
     "patches applied without the patches they need": (
         "patches/__init__.py",
-        '    needs = [f"{r}, left unapplied" for r in requires if known[r] is not None]\n',
+        '    needs = [f"{r}, left unapplied" for r in patch.requires if known[r] is not None]\n',
         "    needs = []\n",
         "tests/test_patch_rocm_dsa.py::"
         "test_rocm_patches_skipped_off_rocm_when_their_module_cannot_import",
