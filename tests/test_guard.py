@@ -123,6 +123,27 @@ def test_other_version_refuses_dbo_with_shared_topk_and_runs_the_rest(tmp_path):
     assert f"refused at {BOTH_SEAMS}" in status.stdout
 
 
+def test_status_installs_no_guard():
+    """`status` names the guard's seams on another version without patching them."""
+    result = run_python(
+        """
+        import sys
+        import vllm
+        from vllm.config import VllmConfig
+        from vllm.model_executor.model_loader import utils
+        from vllm_dsa_dbo import cli
+        stock = VllmConfig.__post_init__, utils.initialize_model
+        cli.version = lambda name: "0.34.0"
+        rc = cli.main(["status"])
+        print("UNTOUCHED", (VllmConfig.__post_init__, utils.initialize_model) == stock,
+              hasattr(vllm, "_vllm_dsa_dbo_guard"))
+        sys.exit(rc)
+        """
+    )
+    assert f"refused at {BOTH_SEAMS}" in result.stdout, result.stdout + result.stderr[-3000:]
+    assert "UNTOUCHED True False" in result.stdout
+
+
 def test_guard_falls_back_to_the_model_build_seam():
     result = run_python(
         OTHER_VERSION,
