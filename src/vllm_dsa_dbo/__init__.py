@@ -6,22 +6,24 @@ before it builds a model.
 
 from __future__ import annotations
 
-from typing import Any
+import logging
 
 
 def register() -> None:
     """The `vllm.general_plugins` entry point; safe to call more than once; never raises."""
-    from vllm_dsa_dbo import guard, settings
+    from vllm_dsa_dbo import settings
 
     logger = settings.logger()
     try:
         _register(logger)
     except Exception as e:  # raising here would stop every vLLM process, DBO or not
+        from vllm_dsa_dbo import guard
+
         logger.exception("vllm-dsa-dbo: registration failed (%s)", e)
         guard.cover(logger, "vllm-dsa-dbo failed to register on this vLLM (see its error).")
 
 
-def _register(logger: Any) -> None:
+def _register(logger: logging.Logger) -> None:
     from vllm_dsa_dbo import guard, patches, settings
     from vllm_dsa_dbo.diagnostics import isolation, load_check
     from vllm_dsa_dbo.settings import DISABLE_ENV, REFUSE, STOCK, EnvValueError
