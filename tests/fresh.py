@@ -1,0 +1,131 @@
+"""`python ARGS` as a fresh interpreter runs it, for the tests that need one.
+
+Most of such a run goes to importing torch and vLLM: it is forked by multiprocessing's
+forkserver from a server that imported them once (`PRELOAD`; never this package, so the run
+imports the copy its PYTHONPATH names). A run whose environment differs from the server's in
+more than what is read only when used (`LAZY`) runs as a real subprocess.
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing
+import os
+import runpy
+import subprocess
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+# What every run imports first; none imports the package under test or starts a thread.
+PRELOAD = [
+    "flashinfer.decode",
+    "pytest",
+    "torch",
+    "vllm.config",
+    "vllm.distributed",
+    "vllm.forward_context",
+    "vllm.model_executor.layers.attention.sparse_mla_attention",
+    "vllm.model_executor.model_loader",
+    "vllm.plugins",
+    "vllm.utils.b12x",  # CUTLASS's DSL: about half of what registering imports
+    "vllm.utils.torch_utils",
+    "vllm.v1.attention.backends.mla.index_group",
+    "vllm.v1.worker.ubatching",
+]
+# Read only when used: by the import system, pytest, vLLM's plugin loader, the package, and
+# Humming's kernel builds (none of PRELOAD imports Humming).
+LAZY = (
+    "PYTHONPATH",
+    "PYTEST_CURRENT_TEST",
+    "VLLM_PLUGINS",
+    "VLLM_DSA_DBO_",
+    "HUMMING_DISABLE_PARALLEL_BUILD",
+)
+
+_server_env: dict[str, str] | None = None
+
+
+def _fixed(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if not k.startswith(LAZY)}
+
+
+# Here too: importing some of it sets variables, which the server's environment then has.
+for _name in PRELOAD:
+    importlib.import_module(_name)
+
+
+def _context() -> multiprocessing.context.BaseContext:
+    """The forkserver context; its server starts in this process's environment."""
+    global _server_env
+    context = multiprocessing.get_context("forkserver")
+    if _server_env is None:
+        _server_env = _fixed(dict(os.environ))
+        context.set_forkserver_preload(PRELOAD)
+    return context
+
+
+def _exit_code(code: object) -> int:
+    """What the interpreter exits with for `sys.exit(code)`."""
+    if code is None or isinstance(code, int):
+        return code or 0
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _run(args: list[str], env: dict[str, str], cwd: str, out: str, err: str) -> None:
+    """In the forked child: `python ARGS` as a fresh interpreter would run it."""
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    for fd, path in ((1, out), (2, err)):
+        opened = os.open(path, os.O_WRONLY)
+        os.dup2(opened, fd)
+        os.close(opened)
+    flag, target, *rest = args
+    pythonpath = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[:0] = [cwd if flag == "-m" else "", *pythonpath]
+    try:
+        if flag == "-m":
+            sys.argv = [target, *rest]
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = ["-c", *rest]
+            exec(compile(target, "<string>", "exec"), {"__name__": "__main__"})
+        rc = 0
+    except SystemExit as e:
+        rc = _exit_code(e.code)
+    except BaseException as e:
+        traceback.print_exception(type(e), e, e.__traceback__.tb_next)  # from the run's code on
+        rc = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
+
+
+def python(
+    args: list[str], env: dict[str, str], cwd: Path | None = None, timeout: float | None = 600
+) -> subprocess.CompletedProcess:
+    """`subprocess.run([sys.executable, *args], capture_output=True, text=True, ...)`,
+    for `args` starting with `-m` or `-c`."""
+    command = [sys.executable, *args]
+    context = _context()
+    if _fixed(env) != _server_env:
+        return subprocess.run(
+            command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+        )
+    with tempfile.TemporaryDirectory() as tmp:
+        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        out.touch()
+        err.touch()
+        where = str(cwd or os.getcwd())
+        process = context.Process(target=_run, args=(args, env, where, str(out), str(err)))
+        process.start()
+        process.join(timeout)
+        if process.exitcode is None:
+            process.kill()
+            process.join()
+            raise subprocess.TimeoutExpired(command, timeout)
+        stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
+    return subprocess.CompletedProcess(command, process.exitcode, stdout, stderr)

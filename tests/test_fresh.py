@@ -1,0 +1,43 @@
+"""The tests' fresh interpreters (tests/fresh.py) behave as fresh interpreters would, and
+fork from the server where they can."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import fresh
+
+SEEN = "import sys; print(sorted(m for m in ('torch', 'vllm_dsa_dbo') if m in sys.modules))"
+
+
+def test_runs_fork_from_torch_and_vllm_but_not_the_package():
+    result = fresh.python(["-c", SEEN], dict(os.environ))
+    assert (result.returncode, result.stdout) == (0, "['torch']\n"), result.stderr
+
+
+def test_a_run_with_its_own_environment_is_a_real_subprocess():
+    result = fresh.python(["-c", SEEN], {**os.environ, "FRESH_TEST_OWN_VARIABLE": "1"})
+    assert (result.returncode, result.stdout) == (0, "[]\n"), result.stderr
+
+
+def test_the_package_on_the_runs_pythonpath_is_the_one_imported(tmp_path):
+    (tmp_path / "vllm_dsa_dbo").mkdir()
+    (tmp_path / "vllm_dsa_dbo" / "__init__.py").write_text("print('the copy')\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    result = fresh.python(["-c", "import vllm_dsa_dbo"], env)
+    assert (result.returncode, result.stdout) == (0, "the copy\n"), result.stderr
+
+
+def test_argv_cwd_exit_codes_and_tracebacks_are_a_fresh_interpreters(tmp_path):
+    env = dict(os.environ)
+    code = "import os, sys; print(sys.argv, os.getcwd()); sys.exit(sys.argv[1])"
+    result = fresh.python(["-c", code, "bad"], env, cwd=tmp_path)
+    assert result.returncode == 1 and result.stderr == "bad\n"
+    assert result.stdout == f"['-c', 'bad'] {tmp_path}\n"
+    assert fresh.python(["-c", "import sys; sys.exit(3)"], env).returncode == 3
+    raised = fresh.python(["-c", "raise KeyError('k')"], env)
+    assert raised.returncode == 1 and raised.stderr.endswith("KeyError: 'k'\n")
+    usage = fresh.python(["-m", "vllm_dsa_dbo.cli", "--help"], env)
+    assert usage.returncode == 0 and "usage: vllm-dsa-dbo" in usage.stdout
+    assert usage.args == [sys.executable, "-m", "vllm_dsa_dbo.cli", "--help"]
