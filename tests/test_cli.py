@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import traceback
 from collections.abc import Callable
 from contextlib import redirect_stderr, redirect_stdout
 from types import SimpleNamespace
@@ -23,8 +24,8 @@ from vllm_dsa_dbo.testing.stack import SharedTopkStack, attention_module
 
 
 def cli(*args: str, **env: str) -> subprocess.CompletedProcess:
-    """`vllm-dsa-dbo ARGS` in this process, its output captured, in this process's
-    environment less vLLM's variables, plus `env`."""
+    """`vllm-dsa-dbo ARGS` in this process, as the command would exit and print, in this
+    process's environment less vLLM's variables, plus `env`."""
     saved = dict(os.environ)
     os.environ.clear()
     os.environ.update({k: v for k, v in saved.items() if not k.startswith("VLLM_")}, **env)
@@ -35,6 +36,9 @@ def cli(*args: str, **env: str) -> subprocess.CompletedProcess:
                 rc = main(list(args))
             except SystemExit as e:  # argparse: --help, bad arguments
                 rc = e.code
+            except Exception:
+                traceback.print_exc()
+                rc = 1
     finally:
         os.environ.clear()
         os.environ.update(saved)
