@@ -88,8 +88,9 @@ def run_new_test(root: Path) -> subprocess.CompletedProcess:
         "PYTHONPATH": f"{root}{os.pathsep + path if path else ''}",
         "VLLM_PLUGINS": "",
     }
+    # In that one process: this repository's pytest settings would start two workers.
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(RUNNER)],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", str(RUNNER)],
         cwd=root,
         env=env,
         capture_output=True,
