@@ -3,18 +3,24 @@
 Most of such a run goes to importing torch and vLLM: it is forked by multiprocessing's
 forkserver from a server that imported them once (`PRELOAD`; never this package, so the run
 imports the copy its PYTHONPATH names). A run whose environment differs from the server's in
-more than what is read only when used (`LAZY`) runs as a real subprocess.
+more than what is read only when used (`LAZY`) runs as a real subprocess. A run's own runs
+(a test of a subprocess, run on a mutated copy) are asked of the process that started it,
+so that one server serves them all.
 """
 
 from __future__ import annotations
 
+import gc
 import importlib
 import multiprocessing
+import multiprocessing.connection
 import os
 import runpy
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 import traceback
 from pathlib import Path
 
@@ -44,16 +50,21 @@ LAZY = (
     "HUMMING_DISABLE_PARALLEL_BUILD",
 )
 
+# Here too: importing some of it sets variables, which the server's environment then has. The
+# server imports this module last: its preloaded heap is then out of the collector's sight, in
+# every run (pytest collects at exit; a run would walk all of torch's and vLLM's objects).
+for _name in PRELOAD:
+    importlib.import_module(_name)
+gc.freeze()
+
 _server_env: dict[str, str] | None = None
+# In a run: the connection its own runs are asked for on, to the process that started it.
+_starter: multiprocessing.connection.Connection | None = None
+_starter_lock = threading.Lock()
 
 
 def _fixed(env: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if not k.startswith(LAZY)}
-
-
-# Here too: importing some of it sets variables, which the server's environment then has.
-for _name in PRELOAD:
-    importlib.import_module(_name)
 
 
 def _context() -> multiprocessing.context.BaseContext:
@@ -62,7 +73,7 @@ def _context() -> multiprocessing.context.BaseContext:
     context = multiprocessing.get_context("forkserver")
     if _server_env is None:
         _server_env = _fixed(dict(os.environ))
-        context.set_forkserver_preload(PRELOAD)
+        context.set_forkserver_preload([*PRELOAD, __name__])
     return context
 
 
@@ -74,8 +85,10 @@ def _exit_code(code: object) -> int:
     return 1
 
 
-def _run(args: list[str], env: dict[str, str], cwd: str, out: str, err: str) -> None:
+def _run(args: list[str], env: dict[str, str], cwd: str, out: str, err: str, starter) -> None:
     """In the forked child: `python ARGS` as a fresh interpreter would run it."""
+    global _starter
+    _starter = starter
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
@@ -109,6 +122,14 @@ def python(
 ) -> subprocess.CompletedProcess:
     """`subprocess.run([sys.executable, *args], capture_output=True, text=True, ...)`,
     for `args` starting with `-m` or `-c`."""
+    where = str(cwd or os.getcwd())
+    if _starter is not None:
+        with _starter_lock:
+            _starter.send((args, env, where, timeout))
+            answer = _starter.recv()
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
     command = [sys.executable, *args]
     context = _context()
     if _fixed(env) != _server_env:
@@ -119,13 +140,36 @@ def python(
         out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
         out.touch()
         err.touch()
-        where = str(cwd or os.getcwd())
-        process = context.Process(target=_run, args=(args, env, where, str(out), str(err)))
+        here, there = context.Pipe()
+        process = context.Process(target=_run, args=(args, env, where, str(out), str(err), there))
         process.start()
-        process.join(timeout)
-        if process.exitcode is None:
+        there.close()
+        _serve(process, here, timeout, command)
+        stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
+    return subprocess.CompletedProcess(command, process.exitcode, stdout, stderr)
+
+
+def _serve(process, connection, timeout: float | None, command: list[str]) -> None:
+    """Wait for `process`, running the runs it asks for on `connection` meanwhile."""
+    waiting = [process.sentinel, connection]
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while process.exitcode is None:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ready = multiprocessing.connection.wait(waiting, left)
+        if not ready:
             process.kill()
             process.join()
             raise subprocess.TimeoutExpired(command, timeout)
-        stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
-    return subprocess.CompletedProcess(command, process.exitcode, stdout, stderr)
+        if connection in ready:
+            try:
+                request = connection.recv()
+            except EOFError:
+                waiting.remove(connection)
+                continue
+            try:
+                answer = python(*request[:2], Path(request[2]), request[3])
+            except Exception as e:
+                answer = e
+            connection.send(answer)
+        process.join(0)
+    connection.close()

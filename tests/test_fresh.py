@@ -41,3 +41,18 @@ def test_argv_cwd_exit_codes_and_tracebacks_are_a_fresh_interpreters(tmp_path):
     usage = fresh.python(["-m", "vllm_dsa_dbo.cli", "--help"], env)
     assert usage.returncode == 0 and "usage: vllm-dsa-dbo" in usage.stdout
     assert usage.args == [sys.executable, "-m", "vllm_dsa_dbo.cli", "--help"]
+
+
+NESTED = (
+    "import os, sys, fresh\n"
+    "inner = fresh.python(['-c', 'import os; print(os.getppid())'], dict(os.environ))\n"
+    "print(os.getppid(), inner.stdout.strip() or inner.stderr, fresh._server_env is None)\n"
+)
+
+
+def test_a_runs_own_run_forks_from_the_same_server():
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(fresh.__file__)}
+    result = fresh.python(["-c", NESTED], env)
+    assert result.returncode == 0, result.stderr
+    outer, inner, started_none = result.stdout.split()
+    assert (inner, started_none) == (outer, "True"), result.stdout
