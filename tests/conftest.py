@@ -4,11 +4,11 @@ import pytest
 
 from vllm_dsa_dbo.demo import use_cpu
 
-# Before anything imports vLLM. The two below are read at import, so a run that needs them
-# forks only if the whole suite has them (tests/forkserver.py). Offline: nothing here reaches
-# the Hub. Humming (which vLLM's DeepSeek-V4.1 layers import) starts two background CUDA
-# builds, each a Python process importing torch, in every process that imports it; no CPU
-# run uses what they build.
+# Before anything imports vLLM. use_cpu's variables are read at import, so a fresh interpreter
+# forks from the server (tests/fresh.py) only if the whole suite has them. Offline: nothing
+# here reaches the Hub. Humming (which vLLM's DeepSeek-V4.1 layers import) starts two
+# background CUDA builds, each a Python process importing torch, in every process that
+# imports it; no CPU run uses what they build.
 use_cpu()
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HUMMING_DISABLE_PARALLEL_BUILD", "1")

@@ -2,26 +2,47 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
 import subprocess
 import sys
+import traceback
 from collections.abc import Callable
+from contextlib import redirect_stderr, redirect_stdout
 from types import SimpleNamespace
 
 import pytest
 import torch.nn as nn
 
-import forkserver
+import fresh
+from vllm_dsa_dbo.cli import main
 from vllm_dsa_dbo.cpu_dbo import SharedTopkStack, attention_module
 from vllm_dsa_dbo.diagnostics.layout import leader_mask
 from vllm_dsa_dbo.diagnostics.startup import ubatch_topk_bytes
 
 
 def cli(*args: str, **env: str) -> subprocess.CompletedProcess:
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
-    return forkserver.python(["-m", "vllm_dsa_dbo.cli", *args], {**environ, **env})
+    """`vllm-dsa-dbo ARGS` in this process, as the command would exit and print, in this
+    process's environment less vLLM's variables, plus `env`."""
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update({k: v for k, v in saved.items() if not k.startswith("VLLM_")}, **env)
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with redirect_stdout(out), redirect_stderr(err):
+            try:
+                rc = main(list(args))
+            except SystemExit as e:  # argparse: --help, bad arguments
+                rc = e.code
+            except Exception:
+                traceback.print_exc()
+                rc = 1
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return subprocess.CompletedProcess(["vllm-dsa-dbo", *args], rc, out.getvalue(), err.getvalue())
 
 
 GLM = '"architectures": ["GlmMoeDsaForCausalLM"]'
@@ -78,9 +99,7 @@ def test_status_check_starts_no_background_build():
         for k, v in os.environ.items()
         if not k.startswith("VLLM_") and k != "HUMMING_DISABLE_PARALLEL_BUILD"
     }
-    result = subprocess.run(
-        [sys.executable, "-c", code], env=environ, capture_output=True, text=True, timeout=600
-    )
+    result = fresh.python(["-c", code], environ)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     assert "vllm.models.deepseek_v41.attention" in result.stdout
     assert result.stdout.splitlines()[-1] == "children: 0"
@@ -433,13 +452,13 @@ def test_memory_bad_sizes(flag, value):
 
 @pytest.fixture
 def demo(monkeypatch, capsys) -> Callable[..., subprocess.CompletedProcess]:
-    """`vllm-dsa-dbo demo` in this process, its phases run as `cli` runs are (forked from
-    tests/forkserver.py's server): each phase imports vLLM, and the command runs two."""
+    """`vllm-dsa-dbo demo` in this process, each of its phases in a fresh interpreter
+    (tests/fresh.py): each phase imports vLLM, stock or patched."""
     from vllm_dsa_dbo import cli as command
 
     def run_phase(args: list[str], env: dict[str, str], **_: object) -> subprocess.CompletedProcess:
         assert args[0] == sys.executable
-        return forkserver.python(args[1:], env)
+        return fresh.python(args[1:], env)
 
     monkeypatch.setattr(command, "subprocess", SimpleNamespace(run=run_phase))
     for name in [k for k in os.environ if k.startswith("VLLM_")]:

@@ -8,12 +8,12 @@ import subprocess
 
 import pytest
 
-import forkserver
+import fresh
 
 
 def demo(phase: str, **env: str) -> subprocess.CompletedProcess:
     environ = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
-    return forkserver.python(["-m", "vllm_dsa_dbo.demo", "--phase", phase], {**environ, **env})
+    return fresh.python(["-m", "vllm_dsa_dbo.demo", "--phase", phase], {**environ, **env})
 
 
 def test_audit_on_stock_vllm_reports_exactly_microbatch0_followers_after_a_yield():

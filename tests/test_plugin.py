@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import forkserver
+import fresh
 from vllm_dsa_dbo.patches import NAMES, fix_patches
 from vllm_dsa_dbo.settings import is_supported_vllm
 
@@ -20,7 +20,7 @@ from vllm_dsa_dbo.settings import is_supported_vllm
 def run_python(*parts: str, **env: str) -> subprocess.CompletedProcess:
     code = "".join(textwrap.dedent(part) for part in parts)
     environ = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
-    return forkserver.python(["-c", code], {**environ, **env}, timeout=300)
+    return fresh.python(["-c", code], {**environ, **env}, timeout=300)
 
 
 LOAD = """

@@ -8,6 +8,7 @@ the whole released source tree and runs vLLM's own tests in it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -15,6 +16,7 @@ import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from importlib.metadata import version
 from pathlib import Path
 
 import pytest
@@ -86,8 +88,9 @@ def run_new_test(root: Path) -> subprocess.CompletedProcess:
         "PYTHONPATH": f"{root}{os.pathsep + path if path else ''}",
         "VLLM_PLUGINS": "",
     }
+    # In that one process: this repository's pytest settings would start two workers.
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(RUNNER)],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", str(RUNNER)],
         cwd=root,
         env=env,
         capture_output=True,
@@ -136,9 +139,20 @@ def test_new_test_fails_on_the_bug_with_half_the_fix_removed(released, tmp_path,
 
 
 def mypy_errors(root: Path) -> set[str]:
-    """mypy's errors in the touched files, as vLLM's hook runs it, without line numbers."""
+    """mypy's errors in the touched files, as vLLM's hook runs it, without line numbers.
+
+    Every tree here is vLLM's sdist, differing at most in the touched files: what mypy
+    says of a tree is kept under those files' text, mypy's version and what it reads
+    besides (the sdist, the installed torch and vLLM), so that no tree is checked twice.
+    """
     # One cache for every tree and run: a warm one takes seconds, a cold one minutes.
     cache = vllm_sdist.CACHE / "mypy"
+    inputs = [vllm_sdist.sha256(vllm_sdist.fetch())]
+    inputs += [f"{name} {version(name)}" for name in ("mypy", "torch", "vllm")]
+    inputs += [(root / path).read_text() for path in upstream.EDITS]
+    known = cache / "errors" / f"{hashlib.sha256(json.dumps(inputs).encode()).hexdigest()}.json"
+    if known.is_file():
+        return set(json.loads(known.read_text()))
     result = subprocess.run(
         [sys.executable, "-m", "mypy", "--python-version", "3.11", "--cache-dir", str(cache)]
         + list(upstream.EDITS),
@@ -146,7 +160,13 @@ def mypy_errors(root: Path) -> set[str]:
         capture_output=True,
         text=True,
     )
-    return {re.sub(r":\d+: ", ": ", x) for x in result.stdout.splitlines() if ": error: " in x}
+    assert result.returncode in (0, 1), result.stdout[-3000:] + result.stderr[-3000:]
+    errors = {re.sub(r":\d+: ", ": ", x) for x in result.stdout.splitlines() if ": error: " in x}
+    known.parent.mkdir(parents=True, exist_ok=True)
+    partial = known.with_suffix(f".{os.getpid()}")
+    partial.write_text(json.dumps(sorted(errors)))
+    partial.replace(known)
+    return errors
 
 
 def test_patched_tree_passes_vllms_hooks_and_adds_no_mypy_error(released, tmp_path):

@@ -95,9 +95,10 @@ def patch_tree(root: Path) -> subprocess.CompletedProcess:
 
 
 def imports_from(root: Path) -> str:
-    """Where `import vllm` resolves for a run in `root`."""
+    """Where `import vllm` resolves for a run in `root` (found as the import would, without
+    running vLLM's imports)."""
     result = subprocess.run(
-        [sys.executable, "-c", "import vllm; print(vllm.__file__)"],
+        [sys.executable, "-c", "import importlib.util as u; print(u.find_spec('vllm').origin)"],
         cwd=root,
         env=tree_env(root),
         capture_output=True,

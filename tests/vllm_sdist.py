@@ -28,7 +28,7 @@ import xml.etree.ElementTree as ET
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import forkserver
+import fresh
 
 VERSION = "0.33.0"
 SDIST = f"vllm-{VERSION}.tar.gz"
@@ -144,7 +144,7 @@ def run(
 
     A run with a PYTHONPATH of its own (a vLLM source tree first) is a fresh interpreter;
     one of the installed vLLM forks, where it can, from an interpreter that imported it
-    (forkserver.py).
+    (fresh.py).
     """
     env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS" and "DSA_DBO" not in k}
     env.update(env_extra or {})
@@ -155,7 +155,7 @@ def run(
         command = ["-c", RUNNERS[mode], "-q", "-p", "no:cacheprovider", f"--junitxml={report}"]
         command += args
         if env.get("PYTHONPATH") == os.environ.get("PYTHONPATH"):
-            result = forkserver.python(command, env, cwd=root, timeout=None)
+            result = fresh.python(command, env, cwd=root, timeout=None)
         else:
             result = subprocess.run(
                 [sys.executable, *command], cwd=root, env=env, capture_output=True, text=True

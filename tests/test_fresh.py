@@ -1,4 +1,4 @@
-"""The subprocess tests' runs (tests/forkserver.py) behave as fresh interpreters would, and
+"""The tests' fresh interpreters (tests/fresh.py) behave as fresh interpreters would, and
 fork from the server where they can."""
 
 from __future__ import annotations
@@ -6,18 +6,18 @@ from __future__ import annotations
 import os
 import sys
 
-import forkserver
+import fresh
 
 SEEN = "import sys; print(sorted(m for m in ('torch', 'vllm_dsa_dbo') if m in sys.modules))"
 
 
 def test_runs_fork_from_torch_and_vllm_but_not_the_package():
-    result = forkserver.python(["-c", SEEN], dict(os.environ))
+    result = fresh.python(["-c", SEEN], dict(os.environ))
     assert (result.returncode, result.stdout) == (0, "['torch']\n"), result.stderr
 
 
 def test_a_run_with_its_own_environment_is_a_real_subprocess():
-    result = forkserver.python(["-c", SEEN], {**os.environ, "FORKSERVER_TEST_OWN_VARIABLE": "1"})
+    result = fresh.python(["-c", SEEN], {**os.environ, "FRESH_TEST_OWN_VARIABLE": "1"})
     assert (result.returncode, result.stdout) == (0, "[]\n"), result.stderr
 
 
@@ -25,40 +25,34 @@ def test_the_package_on_the_runs_pythonpath_is_the_one_imported(tmp_path):
     (tmp_path / "vllm_dsa_dbo").mkdir()
     (tmp_path / "vllm_dsa_dbo" / "__init__.py").write_text("print('the copy')\n")
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
-    result = forkserver.python(["-c", "import vllm_dsa_dbo"], env)
+    result = fresh.python(["-c", "import vllm_dsa_dbo"], env)
     assert (result.returncode, result.stdout) == (0, "the copy\n"), result.stderr
 
 
 def test_argv_cwd_exit_codes_and_tracebacks_are_a_fresh_interpreters(tmp_path):
     env = dict(os.environ)
     code = "import os, sys; print(sys.argv, os.getcwd()); sys.exit(sys.argv[1])"
-    result = forkserver.python(["-c", code, "bad"], env, cwd=tmp_path)
+    result = fresh.python(["-c", code, "bad"], env, cwd=tmp_path)
     assert result.returncode == 1 and result.stderr == "bad\n"
     assert result.stdout == f"['-c', 'bad'] {tmp_path}\n"
-    assert forkserver.python(["-c", "import sys; sys.exit(3)"], env).returncode == 3
-    raised = forkserver.python(["-c", "raise KeyError('k')"], env)
+    assert fresh.python(["-c", "import sys; sys.exit(3)"], env).returncode == 3
+    raised = fresh.python(["-c", "raise KeyError('k')"], env)
     assert raised.returncode == 1 and raised.stderr.endswith("KeyError: 'k'\n")
-    usage = forkserver.python(["-m", "vllm_dsa_dbo.cli", "--help"], env)
+    usage = fresh.python(["-m", "vllm_dsa_dbo.cli", "--help"], env)
     assert usage.returncode == 0 and "usage: vllm-dsa-dbo" in usage.stdout
     assert usage.args == [sys.executable, "-m", "vllm_dsa_dbo.cli", "--help"]
 
 
-# A run's parent is its monitor, a child of the server.
-SERVER = (
-    "import os\n"
-    "def server():\n"
-    "    return open(f'/proc/{os.getppid()}/stat').read().rsplit(')', 1)[1].split()[1]\n"
-)
-NESTED = SERVER + (
-    "import sys, forkserver\n"
-    "inner = forkserver.python(['-c', sys.argv[1] + 'print(server())'], dict(os.environ))\n"
-    "print(server(), inner.stdout.strip() or inner.stderr, forkserver._server is None)\n"
+NESTED = (
+    "import os, sys, fresh\n"
+    "inner = fresh.python(['-c', 'import os; print(os.getppid())'], dict(os.environ))\n"
+    "print(os.getppid(), inner.stdout.strip() or inner.stderr, fresh._server_env is None)\n"
 )
 
 
 def test_a_runs_own_run_forks_from_the_same_server():
-    env = {**os.environ, "PYTHONPATH": os.path.dirname(forkserver.__file__)}
-    result = forkserver.python(["-c", NESTED, SERVER], env)
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(fresh.__file__)}
+    result = fresh.python(["-c", NESTED], env)
     assert result.returncode == 0, result.stderr
     outer, inner, started_none = result.stdout.split()
     assert (inner, started_none) == (outer, "True"), result.stdout
