@@ -220,10 +220,7 @@ MUTATIONS = {
     ),
     "model modules imported at registration": (
         edit(
-            "patches/__init__.py",
-            "wire",
-            "apply and target_name.startswith(MODEL_PACKAGES)",
-            "False",
+            "patches/__init__.py", "apply_all", "patch.target.startswith(MODEL_PACKAGES)", "False"
         ),
         MODEL_MODULES_TEST,
     ),
@@ -276,7 +273,7 @@ MUTATIONS = {
     "HYV4 model not wired": (skip("hy_v4_model"), HYV4_TEST),
     "indexer op writes microbatch 0's buffer (HYV4)": (
         edit(
-            "patches/_private_groups.py",
+            "core.py",
             "per_ubatch_indexer_op.IndexerOp.topk_indices_buffer",
             "resolve_logical_topk(self.index_group, self._topk_indices_buffer)",
             "self._topk_indices_buffer",
@@ -287,7 +284,7 @@ MUTATIONS = {
     "ROCm DSA model not wired": (skip("rocm_dsa_model"), ROCM_TEST),
     "leaders' indexer ops not given their group (ROCm DSA)": (
         edit(
-            "patches/_private_groups.py",
+            "core.py",
             "share_ubatch_logical_topk",
             "op.index_group = group",
             "pass",
@@ -296,7 +293,7 @@ MUTATIONS = {
     ),
     "indexer op writes microbatch 0's buffer (ROCm DSA)": (
         edit(
-            "patches/_private_groups.py",
+            "core.py",
             "per_ubatch_indexer_op.IndexerOp.topk_indices_buffer",
             "resolve_logical_topk(self.index_group, self._topk_indices_buffer)",
             "self._topk_indices_buffer",
@@ -409,21 +406,26 @@ MUTATIONS = {
     ),
     "only base_loader's alias of initialize_model checked (IPC loader)": (
         edit(
-            "patches/base_loader.py",
-            "apply",
-            'replace_function(target, "initialize_model", checked_build(target.initialize_model))',
-            "__import__(target.__name__.replace('utils', 'base_loader'), fromlist=['x'])"
-            ".initialize_model = checked_build(target.initialize_model)",
+            "diagnostics/load_check.py",
+            "",
+            '_checking("initialize_model")',
+            "lambda target: setattr(__import__(target.__name__.replace('utils', 'base_loader'), "
+            "fromlist=['x']), 'initialize_model', checked_build(target.initialize_model))",
         ),
         f"{LOADER_TEST}[ipc_cache]",
     ),
     "vLLM-tensorized models built unchecked": (
-        skip("tensorizer"),
+        edit(
+            "diagnostics/load_check.py",
+            "",
+            '_checking("init_tensorizer_model")',
+            "lambda target: None",
+        ),
         f"{LOADER_TEST}[tensorizer_vllm_tensorized]",
     ),
     "modules that imported a build function before registration keep vLLM's": (
         edit(
-            "patches/__init__.py",
+            "patches/_shared.py",
             "replace_function",
             'getattr(holder, "__dict__", {}).get(name) is stock',
             "False",
@@ -431,20 +433,25 @@ MUTATIONS = {
         ALIAS_TEST,
     ),
     "other vLLM versions refuse nothing": (
-        edit("guard.py", "_guard_config.__post_init__", "refuse_unfixed(self, why)", "pass"),
+        edit(
+            "guard.py",
+            "_at_config_creation.install.__post_init__",
+            "refuse_unfixed(self, why)",
+            "pass",
+        ),
         GUARD_TEST,
     ),
     "the patches a vLLM carries applied over its own": (
         edit(
             "patches/__init__.py",
             "_outcome",
-            'module.in_tree(target) if hasattr(module, "in_tree") else None',
+            "patch.in_tree(target)",
             "None",
         ),
         TREE_TEST,
     ),
     "the guard checks at config creation only": (
-        edit("guard.py", "install", "seams.append(seam)", "seams.append(seam)\nbreak"),
+        edit("guard.py", "install", "put(why)", "put(why)\nbreak"),
         f"{GUARD}::test_other_version_refuses_at_model_build_a_config_made_before_register",
     ),
     "MiniMax-M3's use_index_cache not matched by the guard": (
@@ -456,14 +463,20 @@ MUTATIONS = {
         f"{GUARD}::test_off_switch_keeps_the_refusals_and_stock_is_explicit[off-keeps-refusals]",
     ),
     "HiSparse under DBO loaded": (
-        edit("patches/base_loader.py", "checked_build", "refuse_hisparse(vllm_config)", "pass"),
+        edit(
+            "diagnostics/load_check.py",
+            "checked_build.checked",
+            "refuse_hisparse(vllm_config)",
+            "pass",
+        ),
         "tests/test_plugin.py::test_hisparse_under_dbo_is_refused_at_load_whatever_the_layout",
     ),
     "thread registry not checked": (
         edit(
             "patches/index_group.py",
             "check",
-            "thread_registry_mismatch() or builder_mismatch(target.SparseMLAIndexGroupBuilder)",
+            "core.thread_registry_mismatch() or "
+            "builder_mismatch(target.SparseMLAIndexGroupBuilder)",
             "builder_mismatch(target.SparseMLAIndexGroupBuilder)",
         ),
         f"{LIVE}::test_thread_registry_check[registry_rebound]",
@@ -485,7 +498,8 @@ MUTATIONS = {
         edit(
             "diagnostics/refusals.py",
             "hands_topk_outside_index_groups",
-            "deepseek_v41_model.unwired_hand_off(module)",
+            "reuses_topk(module) and "
+            'not ubatch_copies(stored_buffer(module, "topk_indices_buffer"))',
             "False",
         ),
         "tests/test_cross_layer_refusal.py::"
@@ -494,9 +508,9 @@ MUTATIONS = {
     "DeepSeek-V4.1 indexers without a candidate buffer counted as readers": (
         edit(
             "patches/deepseek_v41_model.py",
-            "reads_candidates",
-            'stored_buffer(attn, "candidate_block_buffer") is not None',
-            "True",
+            "hand_offs",
+            'candidate_source >= 0 and getattr(config, "candidate_topk_blocks", 0) > 0',
+            "candidate_source >= 0",
         ),
         "tests/test_memory.py::test_memory_follows_the_architecture[v41-no-candidate-blocks]",
     ),
@@ -522,7 +536,7 @@ MUTATIONS = {
         edit(
             "patches/__init__.py",
             "_outcome",
-            '[f"{r}, left unapplied" for r in requires if known[r] is not None]',
+            '[f"{r}, left unapplied" for r in patch.requires if known[r] is not None]',
             "[]",
         ),
         "tests/test_patch_rocm_dsa.py::"
