@@ -681,11 +681,11 @@ def run_tests(package_root: Path, *tests: str) -> subprocess.CompletedProcess:
     return fresh.python(args, env, cwd=REPO)
 
 
-# The tests the mutations fail, the slow upstream ones apart: each group runs in one process.
-TESTS = sorted({test for _, test in MUTATIONS.values()})
+# The tests the mutations fail: the two slow ones in processes of their own, the others in one.
+SLOW = [UPSTREAM_HOOKS_TEST, TREE_TEST]
 GROUPS = {
-    "upstream": [t for t in TESTS if t.startswith(UPSTREAM)],
-    "others": [t for t in TESTS if not t.startswith(UPSTREAM)],
+    **{test.split("::")[1]: [test] for test in SLOW},
+    "others": sorted({test for _, test in MUTATIONS.values()} - set(SLOW)),
 }
 
 
