@@ -558,8 +558,8 @@ MUTATIONS = {
 def copy_package(root: Path, *mutations: Mutation) -> Path:
     """The package copied under `root`, each of `mutations` applied to its module."""
     copy = root / "vllm_dsa_dbo"
-    ignore = shutil.ignore_patterns("__pycache__")
-    shutil.copytree(Path(vllm_dsa_dbo.__file__).parent, copy, ignore=ignore)
+    # With its bytecode: each file keeps its time and size, so only a mutated one is compiled.
+    shutil.copytree(Path(vllm_dsa_dbo.__file__).parent, copy)
     for mutation in mutations:
         path = copy / mutation.path
         path.write_text(mutation.apply(path.read_text()))
