@@ -37,7 +37,7 @@ def run_here(
             try:
                 rc = main(args)
             except SystemExit as e:  # argparse: --help, bad arguments
-                rc = e.code
+                rc = fresh.exit_code(e.code)
             except Exception:
                 traceback.print_exc()
                 rc = 1
