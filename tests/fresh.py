@@ -77,7 +77,7 @@ def _context() -> multiprocessing.context.BaseContext:
     return context
 
 
-def _exit_code(code: object) -> int:
+def exit_code(code: object) -> int:
     """What the interpreter exits with for `sys.exit(code)`."""
     if code is None or isinstance(code, int):
         return code or 0
@@ -108,7 +108,7 @@ def _run(args: list[str], env: dict[str, str], cwd: str, out: str, err: str, sta
             exec(compile(target, "<string>", "exec"), {"__name__": "__main__"})
         rc = 0
     except SystemExit as e:
-        rc = _exit_code(e.code)
+        rc = exit_code(e.code)
     except BaseException as e:
         traceback.print_exception(type(e), e, e.__traceback__.tb_next)  # from the run's code on
         rc = 1

@@ -23,26 +23,35 @@ from vllm_dsa_dbo.diagnostics.layout import leader_mask
 from vllm_dsa_dbo.diagnostics.startup import ubatch_topk_bytes
 
 
-def cli(*args: str, **env: str) -> subprocess.CompletedProcess:
-    """`vllm-dsa-dbo ARGS` in this process, as the command would exit and print, in this
-    process's environment less vLLM's variables, plus `env`."""
+def run_here(
+    main: Callable[[list[str]], int], args: list[str], env: dict[str, str]
+) -> subprocess.CompletedProcess:
+    """`main(args)` in this process, in the environment `env`, as a process running it
+    would exit and print."""
     saved = dict(os.environ)
     os.environ.clear()
-    os.environ.update({k: v for k, v in saved.items() if not k.startswith("VLLM_")}, **env)
+    os.environ.update(env)
     out, err = io.StringIO(), io.StringIO()
     try:
         with redirect_stdout(out), redirect_stderr(err):
             try:
-                rc = main(list(args))
+                rc = main(args)
             except SystemExit as e:  # argparse: --help, bad arguments
-                rc = e.code
+                rc = fresh.exit_code(e.code)
             except Exception:
                 traceback.print_exc()
                 rc = 1
     finally:
         os.environ.clear()
         os.environ.update(saved)
-    return subprocess.CompletedProcess(["vllm-dsa-dbo", *args], rc, out.getvalue(), err.getvalue())
+    return subprocess.CompletedProcess(args, rc, out.getvalue(), err.getvalue())
+
+
+def cli(*args: str, **env: str) -> subprocess.CompletedProcess:
+    """`vllm-dsa-dbo ARGS` in this process, in its environment less vLLM's variables, plus
+    `env`."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
+    return run_here(main, list(args), {**environ, **env})
 
 
 GLM = '"architectures": ["GlmMoeDsaForCausalLM"]'
@@ -451,14 +460,19 @@ def test_memory_bad_sizes(flag, value):
 
 
 @pytest.fixture
-def demo(monkeypatch, capsys) -> Callable[..., subprocess.CompletedProcess]:
-    """`vllm-dsa-dbo demo` in this process, each of its phases in a fresh interpreter
-    (tests/fresh.py): each phase imports vLLM, stock or patched."""
+def demo(monkeypatch, capsys, undo_patches) -> Callable[..., subprocess.CompletedProcess]:
+    """`vllm-dsa-dbo demo` in this process. Its stock phase imports vLLM as released: a fresh
+    interpreter (tests/fresh.py); its fixed phase runs here, where the plugin is applied, and
+    what it patches on top (the isolation checker's patches) is undone after it."""
     from vllm_dsa_dbo import cli as command
+    from vllm_dsa_dbo import demo as phases
 
     def run_phase(args: list[str], env: dict[str, str], **_: object) -> subprocess.CompletedProcess:
-        assert args[0] == sys.executable
-        return fresh.python(args[1:], env)
+        assert args[:3] == [sys.executable, "-m", "vllm_dsa_dbo.demo"]
+        if args[3:] != ["--phase", "fixed"]:
+            return fresh.python(args[1:], env)
+        with undo_patches():
+            return run_here(phases.main, args[3:], env)
 
     monkeypatch.setattr(command, "subprocess", SimpleNamespace(run=run_phase))
     for name in [k for k in os.environ if k.startswith("VLLM_")]:

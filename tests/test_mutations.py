@@ -4,12 +4,12 @@ any part of the fix is removed from the source; so does each bad-input test when
 
 A mutation names what it takes out by structure, never by source text, so that no reformat
 moves it:
-- `skip(patch)`: the patch module's `apply` does nothing (the `Patch` record stays);
-- `edit(path, where, old, new)`: in the function or class `where` of the module at `path`
-  (a qualified name; "" for the whole module), the statements or the expression `old` become
-  `new`, both matched as syntax trees (or the whole body of `where`, if `old` is None);
-- `text(path, old, new)`: `old` replaced in the module's one string literal that holds it
-  (the upstream change is vLLM's source text).
+- `skip(patch, test)`: the patch module's `apply` does nothing (its `Patch` record stays);
+- `edit("module:qualified.name", old, new, test)`: at that function or class of the package
+  (the whole module without a name), the statements or the expression `old` become `new`, both
+  matched as syntax trees; with `old` None, the whole body becomes `new`;
+- `text(module, old, new, test)`: `old` replaced in the module's one string literal that holds
+  it (the upstream change is vLLM's source text, written as strings).
 Each mutation edits a copy of the package and runs its test against it in a fresh interpreter
 (tests/fresh.py), one mutation per test.
 """
@@ -20,6 +20,7 @@ import ast
 import os
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,39 +87,47 @@ MODEL_MODULES_TEST = "tests/test_plugin.py::test_model_modules_are_patched_when_
 
 @dataclass(frozen=True)
 class Mutation:
-    path: str  # the module's file, under the package
-    where: str | None  # a qualified function or class name; "": the module; None: a string
-    old: str | None
+    site: str  # "module:qualified.name" under the package ("__init__" its own); no name: all
+    old: str | None  # None: the whole body at the site
     new: str
+    test: str  # the test it fails
+    in_string: bool = False
+
+    @property
+    def path(self) -> str:
+        """The module's file, under the package."""
+        module = self.site.partition(":")[0].replace(".", "/")
+        package = Path(vllm_dsa_dbo.__file__).parent
+        return f"{module}/__init__.py" if (package / module).is_dir() else f"{module}.py"
 
     def apply(self, source: str) -> str:
         tree = ast.parse(source)
-        if self.where is None:
+        where = self.site.partition(":")[2]
+        if self.in_string:
             found = _replace_text(tree, self.old, self.new)
+        elif self.old is None:
+            scopes = _scopes(tree, where)
+            for scope in scopes:
+                scope.body = ast.parse(self.new).body
+            found = len(scopes)
         else:
-            scopes = _scopes(tree, self.where)
-            if self.old is None:
-                for scope in scopes:
-                    scope.body = ast.parse(self.new).body
-                found = len(scopes)
-            else:
-                found = sum(_replace(scope, self.old, self.new) for scope in scopes)
+            found = sum(_replace(scope, self.old, self.new) for scope in _scopes(tree, where))
         if found != 1:
             raise LookupError(f"{self} matches {found} times in {self.path}, not once")
         return ast.unparse(ast.fix_missing_locations(tree))
 
 
-def skip(patch: str) -> Mutation:
+def skip(patch: str, test: str) -> Mutation:
     """The patch's `apply` does nothing."""
-    return Mutation(f"patches/{patch}.py", "apply", None, "pass")
+    return Mutation(f"patches.{patch}:apply", None, "pass", test)
 
 
-def edit(path: str, where: str, old: str, new: str) -> Mutation:
-    return Mutation(path, where, old, new)
+def edit(site: str, old: str | None, new: str, test: str) -> Mutation:
+    return Mutation(site, old, new, test)
 
 
-def text(path: str, old: str, new: str) -> Mutation:
-    return Mutation(path, None, old, new)
+def text(module: str, old: str, new: str, test: str) -> Mutation:
+    return Mutation(module, old, new, test, in_string=True)
 
 
 def _scopes(tree: ast.Module, where: str) -> list[ast.AST]:
@@ -202,478 +211,352 @@ def _replace_text(tree: ast.Module, old: str, new: str) -> int:
 
 
 MUTATIONS = {
-    "index group always returns microbatch 0's state": (
-        edit(
-            "core.py", "UbatchTopkField.__get__", "ubatch_id and group.ubatch_topk_states", "False"
-        ),
-        CORE_TEST,
+    "index group always returns microbatch 0's state": edit(
+        "core:UbatchTopkField.__get__", "ubatch_id and group.ubatch_topk_states", "False", CORE_TEST
     ),
-    "a follower's logical top-k resolves to microbatch 0's buffer": (
-        edit("core.py", "resolve_logical_topk", None, "return buffer"),
-        CORE_TEST,
+    "a follower's logical top-k resolves to microbatch 0's buffer": edit(
+        "core:resolve_logical_topk", None, "return buffer", CORE_TEST
     ),
-    "the builder gives groups with followers no per-microbatch state": (
-        edit(
-            "core.py", "add_layer_state", "layer_index == 1 and builder.num_ubatches > 1", "False"
-        ),
-        CORE_TEST,
+    "the builder gives groups with followers no per-microbatch state": edit(
+        "core:add_layer_state", "layer_index == 1 and builder.num_ubatches > 1", "False", CORE_TEST
     ),
-    "model modules imported at registration": (
-        edit(
-            "patches/__init__.py", "apply_all", "patch.target.startswith(MODEL_PACKAGES)", "False"
-        ),
+    "model modules imported at registration": edit(
+        "patches:apply_all",
+        "patch.target.startswith(MODEL_PACKAGES)",
+        "False",
         MODEL_MODULES_TEST,
     ),
-    "a model module imported later is never patched": (
-        edit(
-            "patches/_on_import.py",
-            "_Loader.exec_module",
-            "self._finder.pending.pop(module.__name__, ())",
-            "()",
-        ),
+    "a model module imported later is never patched": edit(
+        "patches._on_import:_Loader.exec_module",
+        "self._finder.pending.pop(module.__name__, ())",
+        "()",
         MODEL_MODULES_TEST,
     ),
-    "impl not wired to the per-microbatch logical buffers": (
-        edit(
-            "patches/sparse_mla_attention.py",
-            "topk_indices_buffer",
-            'return resolve_logical_topk(getattr(self, "index_group", None), buffer)',
-            "return buffer",
-        ),
+    "impl not wired to the per-microbatch logical buffers": edit(
+        "patches.sparse_mla_attention:topk_indices_buffer",
+        'return resolve_logical_topk(getattr(self, "index_group", None), buffer)',
+        "return buffer",
         CORE_TEST,
     ),
-    "leader layers never mark their group wired": (
-        edit(
-            "patches/deepseek_v32_attention.py",
-            "apply",
-            "call_after_init(target.DeepseekV32Attention, mark_wired)",
-            "pass",
-        ),
+    "leader layers never mark their group wired": edit(
+        "patches.deepseek_v32_attention:apply",
+        "call_after_init(target.DeepseekV32Attention, mark_wired)",
+        "pass",
         CORE_TEST,
     ),
-    "a patch sets a symbol its record does not list": (
-        edit(
-            "patches/mla.py",
-            "",
-            '("MultiHeadLatentAttentionWrapper.__init__",)',
-            '("MultiHeadLatentAttentionWrapper.forward",)',
-        ),
+    "a patch sets a symbol its record does not list": edit(
+        "patches.mla",
+        '("MultiHeadLatentAttentionWrapper.__init__",)',
+        '("MultiHeadLatentAttentionWrapper.forward",)',
         RECORDS_TEST,
     ),
-    "leader's writers not wired to the impl's buffer": (
-        edit(
-            "patches/deepseek_v32_attention.py",
-            "apply",
-            "target.DeepseekV32Attention.topk_indices_buffer = property(_get, _set)",
-            "pass",
-        ),
+    "leader's writers not wired to the impl's buffer": edit(
+        "patches.deepseek_v32_attention:apply",
+        "target.DeepseekV32Attention.topk_indices_buffer = property(_get, _set)",
+        "pass",
         CORE_TEST,
     ),
-    "HYV4 indexer op left as vLLM's": (skip("hy_v4_attention"), HYV4_TEST),
-    "HYV4 model not wired": (skip("hy_v4_model"), HYV4_TEST),
-    "indexer op writes microbatch 0's buffer (HYV4)": (
-        edit(
-            "core.py",
-            "per_ubatch_indexer_op.IndexerOp.topk_indices_buffer",
-            "resolve_logical_topk(self.index_group, self._topk_indices_buffer)",
-            "self._topk_indices_buffer",
-        ),
+    "HYV4 indexer op left as vLLM's": skip("hy_v4_attention", HYV4_TEST),
+    "HYV4 model not wired": skip("hy_v4_model", HYV4_TEST),
+    "indexer op writes microbatch 0's buffer (HYV4)": edit(
+        "core:per_ubatch_indexer_op.IndexerOp.topk_indices_buffer",
+        "resolve_logical_topk(self.index_group, self._topk_indices_buffer)",
+        "self._topk_indices_buffer",
         HYV4_TEST,
     ),
-    "ROCm DSA indexer op left as vLLM's": (skip("rocm_dsa_attention"), ROCM_TEST),
-    "ROCm DSA model not wired": (skip("rocm_dsa_model"), ROCM_TEST),
-    "leaders' indexer ops not given their group (ROCm DSA)": (
-        edit(
-            "core.py",
-            "share_ubatch_logical_topk",
-            "op.index_group = group",
-            "pass",
-        ),
+    "ROCm DSA indexer op left as vLLM's": skip("rocm_dsa_attention", ROCM_TEST),
+    "ROCm DSA model not wired": skip("rocm_dsa_model", ROCM_TEST),
+    "leaders' indexer ops not given their group (ROCm DSA)": edit(
+        "core:share_ubatch_logical_topk",
+        "op.index_group = group",
+        "pass",
         ROCM_TEST,
     ),
-    "indexer op writes microbatch 0's buffer (ROCm DSA)": (
-        edit(
-            "core.py",
-            "per_ubatch_indexer_op.IndexerOp.topk_indices_buffer",
-            "resolve_logical_topk(self.index_group, self._topk_indices_buffer)",
-            "self._topk_indices_buffer",
-        ),
+    "indexer op writes microbatch 0's buffer (ROCm DSA)": edit(
+        "core:per_ubatch_indexer_op.IndexerOp.topk_indices_buffer",
+        "resolve_logical_topk(self.index_group, self._topk_indices_buffer)",
+        "self._topk_indices_buffer",
         ROCM_TEST,
     ),
-    "indexer op body left as vLLM's (compiled DSA)": (skip("sparse_attn_indexer"), COMPILED_TEST),
-    "indexer op body writes microbatch 0's buffer (compiled DSA)": (
-        edit(
-            "patches/sparse_attn_indexer.py",
-            "per_ubatch_indexer_kernel.per_ubatch_kernel",
-            "_UBATCH_ID_OF_THREAD and INDEXER_OP_LEADERS",
-            "False",
-        ),
+    "indexer op body left as vLLM's (compiled DSA)": skip("sparse_attn_indexer", COMPILED_TEST),
+    "indexer op body writes microbatch 0's buffer (compiled DSA)": edit(
+        "patches.sparse_attn_indexer:per_ubatch_indexer_kernel.per_ubatch_kernel",
+        "_UBATCH_ID_OF_THREAD and INDEXER_OP_LEADERS",
+        "False",
         COMPILED_TEST,
     ),
-    "compiled DSA layers not wired": (skip("mla"), COMPILED_TEST),
-    "traced code looks the microbatch up (graph break under fullgraph)": (
-        edit(
-            "core.py",
-            "UbatchTopkField.__get__",
-            "_UBATCH_ID_OF_THREAD and not is_dynamo_compiling()",
-            "_UBATCH_ID_OF_THREAD",
-        ),
+    "compiled DSA layers not wired": skip("mla", COMPILED_TEST),
+    "traced code looks the microbatch up (graph break under fullgraph)": edit(
+        "core:UbatchTopkField.__get__",
+        "_UBATCH_ID_OF_THREAD and not is_dynamo_compiling()",
+        "_UBATCH_ID_OF_THREAD",
         TRACED_TEST,
     ),
-    "extra microbatches wait on their own, never-recorded event (compiled DSA)": (
-        edit(
-            "patches/mla.py",
-            "share_logical_topk_ready",
-            "state.logical_topk_ready = group.logical_topk_ready",
-            "pass",
-        ),
+    "extra microbatches wait on their own, never-recorded event (compiled DSA)": edit(
+        "patches.mla:share_logical_topk_ready",
+        "state.logical_topk_ready = group.logical_topk_ready",
+        "pass",
         COMPILED_TEST,
     ),
-    "model not wired (DSv41)": (skip("deepseek_v41_model"), V41_TEST),
-    "candidate blocks get no copies (DSv41)": (
-        edit(
-            "patches/deepseek_v41_model.py",
-            "handed_off_buffers",
-            "buffers.append(model.candidate_block_buffer)",
-            "pass",
-        ),
+    "model not wired (DSv41)": skip("deepseek_v41_model", V41_TEST),
+    "candidate blocks get no copies (DSv41)": edit(
+        "patches.deepseek_v41_model:handed_off_buffers",
+        "buffers.append(model.candidate_block_buffer)",
+        "pass",
         V41_TEST,
     ),
-    "buffers always resolve to microbatch 0's (DSv41)": (
-        edit("ubatch_buffers.py", "resolve_buffer", None, "return buffer"),
+    "buffers always resolve to microbatch 0's (DSv41)": edit(
+        "ubatch_buffers:resolve_buffer", None, "return buffer", V41_TEST
+    ),
+    "attention layers read vLLM's buffers (DSv41)": edit(
+        "patches.deepseek_v41_attention:apply",
+        'per_ubatch_buffers(target.DeepseekV4Attention, "topk_indices_buffer", '
+        '"candidate_block_buffer")',
+        "pass",
         V41_TEST,
     ),
-    "attention layers read vLLM's buffers (DSv41)": (
-        edit(
-            "patches/deepseek_v41_attention.py",
-            "apply",
-            'per_ubatch_buffers(target.DeepseekV4Attention, "topk_indices_buffer", '
-            '"candidate_block_buffer")',
-            "pass",
-        ),
+    "indexer op writes vLLM's top-k buffer (DSv41)": edit(
+        "patches.deepseek_v41_attention:apply",
+        "indexer.attn_cls = per_ubatch_op(indexer.attn_cls)",
+        "pass",
         V41_TEST,
     ),
-    "indexer op writes vLLM's top-k buffer (DSv41)": (
-        edit(
-            "patches/deepseek_v41_attention.py",
-            "apply",
-            "indexer.attn_cls = per_ubatch_op(indexer.attn_cls)",
-            "pass",
-        ),
+    "indexer op reads vLLM's candidate blocks (DSv41)": edit(
+        "patches.deepseek_v41_attention",
+        'OP_BUFFERS = ("topk_indices_buffer", "candidate_blocks")',
+        'OP_BUFFERS = ("topk_indices_buffer",)',
         V41_TEST,
     ),
-    "indexer op reads vLLM's candidate blocks (DSv41)": (
-        edit(
-            "patches/deepseek_v41_attention.py",
-            "",
-            'OP_BUFFERS = ("topk_indices_buffer", "candidate_blocks")',
-            'OP_BUFFERS = ("topk_indices_buffer",)',
-        ),
-        V41_TEST,
+    "index group always returns microbatch 0's state (FLASH_ATTN_MLA_SPARSE)": edit(
+        "core:UbatchTopkField.__get__", "ubatch_id and group.ubatch_topk_states", "False", FA3_TEST
     ),
-    "index group always returns microbatch 0's state (FLASH_ATTN_MLA_SPARSE)": (
-        edit(
-            "core.py", "UbatchTopkField.__get__", "ubatch_id and group.ubatch_topk_states", "False"
-        ),
-        FA3_TEST,
-    ),
-    "leader's writers not wired to the impl's buffer (FLASHMLA_SPARSE fp8)": (
-        edit(
-            "patches/deepseek_v32_attention.py",
-            "apply",
-            "target.DeepseekV32Attention.topk_indices_buffer = property(_get, _set)",
-            "pass",
-        ),
+    "leader's writers not wired to the impl's buffer (FLASHMLA_SPARSE fp8)": edit(
+        "patches.deepseek_v32_attention:apply",
+        "target.DeepseekV32Attention.topk_indices_buffer = property(_get, _set)",
+        "pass",
         FLASHMLA_FP8_TEST,
     ),
-    "impl not wired to the per-microbatch logical buffers (FLASHINFER_MLA_SPARSE_SM90)": (
-        edit(
-            "patches/sparse_mla_attention.py",
-            "topk_indices_buffer",
-            'return resolve_logical_topk(getattr(self, "index_group", None), buffer)',
-            "return buffer",
-        ),
+    "impl not wired to the per-microbatch logical buffers (FLASHINFER_MLA_SPARSE_SM90)": edit(
+        "patches.sparse_mla_attention:topk_indices_buffer",
+        'return resolve_logical_topk(getattr(self, "index_group", None), buffer)',
+        "return buffer",
         SM90_TEST,
     ),
-    "followers without an index group loaded under DBO (XPU_MLA_SPARSE)": (
-        edit(
-            "diagnostics/refusals.py",
-            "check_wired",
-            "[m for m in model.modules() if reads_topk_without_index_group(m)]",
-            "[]",
-        ),
+    "followers without an index group loaded under DBO (XPU_MLA_SPARSE)": edit(
+        "diagnostics.refusals:check_wired",
+        "[m for m in model.modules() if reads_topk_without_index_group(m)]",
+        "[]",
         XPU_TEST,
     ),
-    "only base_loader's alias of initialize_model checked (IPC loader)": (
-        edit(
-            "diagnostics/load_check.py",
-            "",
-            '_checking("initialize_model")',
-            "lambda target: setattr(__import__(target.__name__.replace('utils', 'base_loader'), "
-            "fromlist=['x']), 'initialize_model', checked_build(target.initialize_model))",
-        ),
+    "only base_loader's alias of initialize_model checked (IPC loader)": edit(
+        "diagnostics.load_check:",
+        '_checking("initialize_model")',
+        "lambda target: setattr(__import__(target.__name__.replace('utils', 'base_loader'), "
+        "fromlist=['x']), 'initialize_model', checked_build(target.initialize_model))",
         f"{LOADER_TEST}[ipc_cache]",
     ),
-    "vLLM-tensorized models built unchecked": (
-        edit(
-            "diagnostics/load_check.py",
-            "",
-            '_checking("init_tensorizer_model")',
-            "lambda target: None",
-        ),
+    "vLLM-tensorized models built unchecked": edit(
+        "diagnostics.load_check:",
+        '_checking("init_tensorizer_model")',
+        "lambda target: None",
         f"{LOADER_TEST}[tensorizer_vllm_tensorized]",
     ),
-    "modules that imported a build function before registration keep vLLM's": (
-        edit(
-            "patches/_shared.py",
-            "replace_function",
-            'getattr(holder, "__dict__", {}).get(name) is stock',
-            "False",
-        ),
+    "modules that imported a build function before registration keep vLLM's": edit(
+        "patches._shared:replace_function",
+        'getattr(holder, "__dict__", {}).get(name) is stock',
+        "False",
         ALIAS_TEST,
     ),
-    "other vLLM versions refuse nothing": (
-        edit(
-            "guard.py",
-            "_at_config_creation.install.__post_init__",
-            "refuse_unfixed(self, why)",
-            "pass",
-        ),
+    "other vLLM versions refuse nothing": edit(
+        "guard:_at_config_creation.install.__post_init__",
+        "refuse_unfixed(self, why)",
+        "pass",
         GUARD_TEST,
     ),
-    "the patches a vLLM carries applied over its own": (
-        edit(
-            "patches/__init__.py",
-            "_outcome",
-            "patch.in_tree(target)",
-            "None",
-        ),
+    "the patches a vLLM carries applied over its own": edit(
+        "patches:_outcome",
+        "patch.in_tree(target)",
+        "None",
         TREE_TEST,
     ),
-    "the guard checks at config creation only": (
-        edit("guard.py", "install", "put(why)", "put(why)\nbreak"),
+    "the guard checks at config creation only": edit(
+        "guard:install",
+        "put(why)",
+        "put(why)\nbreak",
         f"{GUARD}::test_other_version_refuses_at_model_build_a_config_made_before_register",
     ),
-    "MiniMax-M3's use_index_cache not matched by the guard": (
-        edit("guard.py", "sharing_keys", "return [SHARING_KEYS[-1]]", "return []"),
+    "MiniMax-M3's use_index_cache not matched by the guard": edit(
+        "guard:sharing_keys",
+        "return [SHARING_KEYS[-1]]",
+        "return []",
         f"{GUARD}::test_guard_refuses_minimax_m3_with_index_cache",
     ),
-    "the off switch refuses nothing": (
-        edit("__init__.py", "_register", "mode == REFUSE", "False"),
+    "the off switch refuses nothing": edit(
+        "__init__:_register",
+        "mode == REFUSE",
+        "False",
         f"{GUARD}::test_off_switch_keeps_the_refusals_and_stock_is_explicit[off-keeps-refusals]",
     ),
-    "HiSparse under DBO loaded": (
-        edit(
-            "diagnostics/load_check.py",
-            "checked_build.checked",
-            "refuse_hisparse(vllm_config)",
-            "pass",
-        ),
+    "HiSparse under DBO loaded": edit(
+        "diagnostics.load_check:checked_build.checked",
+        "refuse_hisparse(vllm_config)",
+        "pass",
         "tests/test_plugin.py::test_hisparse_under_dbo_is_refused_at_load_whatever_the_layout",
     ),
-    "thread registry not checked": (
-        edit(
-            "patches/index_group.py",
-            "check",
-            "core.thread_registry_mismatch() or "
-            "builder_mismatch(target.SparseMLAIndexGroupBuilder)",
-            "builder_mismatch(target.SparseMLAIndexGroupBuilder)",
-        ),
+    "thread registry not checked": edit(
+        "patches.index_group:check",
+        "core.thread_registry_mismatch() or builder_mismatch(target.SparseMLAIndexGroupBuilder)",
+        "builder_mismatch(target.SparseMLAIndexGroupBuilder)",
         f"{LIVE}::test_thread_registry_check[registry_rebound]",
     ),
-    "index-group builder signature not checked": (
-        edit("patches/index_group.py", "builder_mismatch", "found[:len(names)] != names", "False"),
+    "index-group builder signature not checked": edit(
+        "patches.index_group:builder_mismatch",
+        "found[:len(names)] != names",
+        "False",
         f"{LIVE}::test_builder_signature_check",
     ),
-    "indexer op body's cell not checked": (
-        edit(
-            "patches/sparse_attn_indexer.py",
-            "check",
-            'kernel is not getattr(op_body, "__wrapped__", None)',
-            "False",
-        ),
+    "indexer op body's cell not checked": edit(
+        "patches.sparse_attn_indexer:check",
+        'kernel is not getattr(op_body, "__wrapped__", None)',
+        "False",
         f"{LIVE}::test_op_body_check[other_cell]",
     ),
-    "DeepSeek-V4.1 buffers without copies loaded under DBO (ROCm)": (
-        edit(
-            "diagnostics/refusals.py",
-            "hands_topk_outside_index_groups",
-            "reuses_topk(module) and "
-            'not ubatch_copies(stored_buffer(module, "topk_indices_buffer"))',
-            "False",
-        ),
+    "DeepSeek-V4.1 buffers without copies loaded under DBO (ROCm)": edit(
+        "diagnostics.refusals:hands_topk_outside_index_groups",
+        'reuses_topk(module) and not ubatch_copies(stored_buffer(module, "topk_indices_buffer"))',
+        "False",
         "tests/test_cross_layer_refusal.py::"
         "test_cross_layer_topk_outside_index_groups_refused_under_dbo[deepseek_v41 index sharing]",
     ),
-    "DeepSeek-V4.1 indexers without a candidate buffer counted as readers": (
-        edit(
-            "patches/deepseek_v41_model.py",
-            "hand_offs",
-            'candidate_source >= 0 and getattr(config, "candidate_topk_blocks", 0) > 0',
-            "candidate_source >= 0",
-        ),
+    "DeepSeek-V4.1 indexers without a candidate buffer counted as readers": edit(
+        "patches.deepseek_v41_model:hand_offs",
+        'candidate_source >= 0 and getattr(config, "candidate_topk_blocks", 0) > 0',
+        "candidate_source >= 0",
         "tests/test_memory.py::test_memory_follows_the_architecture[v41-no-candidate-blocks]",
     ),
-    "DeepSeek-V4.1 indexer ops' buffers not checked": (
-        edit(
-            "patches/deepseek_v41_attention.py",
-            "check",
-            "next(filter(None, (unset_attributes(op.__init__, *OP_BUFFERS) for op in ops)), None)",
-            "None",
-        ),
+    "DeepSeek-V4.1 indexer ops' buffers not checked": edit(
+        "patches.deepseek_v41_attention:check",
+        "next(filter(None, (unset_attributes(op.__init__, *OP_BUFFERS) for op in ops)), None)",
+        "None",
         f"{LIVE}::test_deepseek_v41_attention_check",
     ),
-    "a torch.compile'd DeepSeek-V4.1 model patched anyway": (
-        edit(
-            "patches/deepseek_v41_model.py",
-            "check",
-            "issubclass(model, TorchCompileWithNoGuardsWrapper)",
-            "False",
-        ),
+    "a torch.compile'd DeepSeek-V4.1 model patched anyway": edit(
+        "patches.deepseek_v41_model:check",
+        "issubclass(model, TorchCompileWithNoGuardsWrapper)",
+        "False",
         f"{LIVE}::test_deepseek_v41_model_check",
     ),
-    "patches applied without the patches they need": (
-        edit(
-            "patches/__init__.py",
-            "_outcome",
-            '[f"{r}, left unapplied" for r in patch.requires if known[r] is not None]',
-            "[]",
-        ),
+    "patches applied without the patches they need": edit(
+        "patches:_outcome",
+        '[f"{r}, left unapplied" for r in patch.requires if known[r] is not None]',
+        "[]",
         "tests/test_patch_rocm_dsa.py::"
         "test_rocm_patches_skipped_off_rocm_when_their_module_cannot_import",
     ),
-    "groups built for fewer microbatches than the run not refused": (
-        edit(
-            "diagnostics/refusals.py",
-            "left_shared",
-            'getattr(group, "num_ubatches", 1) < num_ubatches',
-            'not hasattr(group, "num_ubatches")',
-        ),
+    "groups built for fewer microbatches than the run not refused": edit(
+        "diagnostics.refusals:left_shared",
+        'getattr(group, "num_ubatches", 1) < num_ubatches',
+        'not hasattr(group, "num_ubatches")',
         f"{LIVE}::test_groups_built_for_fewer_microbatches_than_the_run_are_refused",
     ),
-    "demo: the checker's raise ends the stock phase with a traceback": (
-        edit("demo.py", "main", "isolation.MicrobatchIsolationError", "KeyError"),
-        DEMO_RAISE_TEST,
+    "demo: the checker's raise ends the stock phase with a traceback": edit(
+        "demo:main", "isolation.MicrobatchIsolationError", "KeyError", DEMO_RAISE_TEST
     ),
-    "register raises on an unknown VLLM_DSA_DBO_CHECK": (
-        edit(
-            "__init__.py",
-            "_register",
-            'logger.error("vllm-dsa-dbo: %s. The isolation checker stays off.", e)\ncheck = None',
-            "raise",
-        ),
+    "register raises on an unknown VLLM_DSA_DBO_CHECK": edit(
+        "__init__:_register",
+        'logger.error("vllm-dsa-dbo: %s. The isolation checker stays off.", e)\ncheck = None',
+        "raise",
         REGISTER_ENV_TEST,
     ),
-    "status passes over an unknown VLLM_DSA_DBO_CHECK": (
-        edit(
-            "cli.py",
-            "check_line",
-            'errors.append(f"{e}; vLLM logs this and runs with the checker off")',
-            "pass",
-        ),
+    "status passes over an unknown VLLM_DSA_DBO_CHECK": edit(
+        "cli:check_line",
+        'errors.append(f"{e}; vLLM logs this and runs with the checker off")',
+        "pass",
         STATUS_ENV_TEST,
     ),
-    "the checker counts a read outside a forward as a hand-off": (
-        edit(
-            "diagnostics/isolation.py",
-            "IsolationChecker.read",
-            "if reader.step is None: return",
-            "",
-        ),
+    "the checker counts a read outside a forward as a hand-off": edit(
+        "diagnostics.isolation:IsolationChecker.read",
+        "if reader.step is None: return",
+        "",
         "tests/test_isolation.py::test_a_read_outside_a_forward_is_not_a_hand_off",
     ),
-    "memory imports torch before it reads the config": (
-        edit(
-            "cli.py",
-            "memory",
-            "source, model = load_config(args)",
-            "import torch\nsource, model = load_config(args)",
-        ),
+    "memory imports torch before it reads the config": edit(
+        "cli:memory",
+        "source, model = load_config(args)",
+        "import torch\nsource, model = load_config(args)",
         f"{BAD_CONFIG}[missing]",
     ),
-    "memory leaves a string index_topk_freq to vLLM": (
-        edit(
-            "diagnostics/layout.py", "_check_dsa", '_whole(text, "index_topk_freq", 1, 1)', "pass"
-        ),
+    "memory leaves a string index_topk_freq to vLLM": edit(
+        "diagnostics.layout:_check_dsa",
+        '_whole(text, "index_topk_freq", 1, 1)',
+        "pass",
         f'{BAD_CONFIG}["index_topk_freq": "4"]',
     ),
-    "memory sizes any architecture with index_topk": (
-        edit("diagnostics/layout.py", "check_config", "model_class not in CODE_PATHS", "False"),
+    "memory sizes any architecture with index_topk": edit(
+        "diagnostics.layout:check_config",
+        "model_class not in CODE_PATHS",
+        "False",
         f"{MEMORY_BUILT_TEST}[not-dsa]",
     ),
-    "memory counts physical copies HYV4 does not make": (
-        edit("cli.py", "memory", "logical_only=model.path.copies == LOGICAL", "logical_only=False"),
+    "memory counts physical copies HYV4 does not make": edit(
+        "cli:memory",
+        "logical_only=model.path.copies == LOGICAL",
+        "logical_only=False",
         MEMORY_HYV4_TEST,
     ),
-    "memory sizes DeepSeek-V4.1 on ROCm, which the loader refuses under DBO": (
-        edit(
-            "diagnostics/layout.py",
-            "",
-            'CodePath("vllm/models/deepseek_v41/amd", "deepseek_v41", REFUSED)',
-            'CodePath("vllm/models/deepseek_v41/amd", "deepseek_v41", MODEL_WIDE)',
-        ),
+    "memory sizes DeepSeek-V4.1 on ROCm, which the loader refuses under DBO": edit(
+        "diagnostics.layout",
+        'CodePath("vllm/models/deepseek_v41/amd", "deepseek_v41", REFUSED)',
+        'CodePath("vllm/models/deepseek_v41/amd", "deepseek_v41", MODEL_WIDE)',
         MEMORY_V41_ROCM_TEST,
     ),
-    "memory leaves out DeepSeek-V4.1's copies": (
-        edit("cli.py", "memory", "sum(tokens * columns * 4 for _, columns in model.buffers)", "0"),
+    "memory leaves out DeepSeek-V4.1's copies": edit(
+        "cli:memory",
+        "sum(tokens * columns * 4 for _, columns in model.buffers)",
+        "0",
         MEMORY_V41_TEST,
     ),
-    "ab compares runs on other questions": (
-        edit("ab.py", "compare", "check_same_questions(ref, run)", "pass"),
-        AB_QUESTIONS_TEST,
+    "ab compares runs on other questions": edit(
+        "ab:compare", "check_same_questions(ref, run)", "pass", AB_QUESTIONS_TEST
     ),
-    "ab merges two runs' samples files": (
-        edit("ab.py", "samples_file", "len(files) > 1", "False"),
-        AB_TWO_RUNS_TEST,
+    "ab merges two runs' samples files": edit(
+        "ab:samples_file", "len(files) > 1", "False", AB_TWO_RUNS_TEST
     ),
-    "upstream change builds the model with one microbatch": (
-        text(
-            "upstream/change.py", "            get_num_ubatches(vllm_config.parallel_config),\n", ""
-        ),
+    "upstream change builds the model with one microbatch": text(
+        "upstream.change",
+        "            get_num_ubatches(vllm_config.parallel_config),\n",
+        "",
         UPSTREAM_CODE_TEST,
     ),
-    "upstream change adds a mypy error": (
-        text(
-            "upstream/change.py",
-            "                self.impl.topk_indices_buffer,  # type: ignore[attr-defined]\n",
-            "                self.impl.topk_indices_buffer,\n",
-        ),
+    "upstream change adds a mypy error": text(
+        "upstream.change",
+        "                self.impl.topk_indices_buffer,  # type: ignore[attr-defined]\n",
+        "                self.impl.topk_indices_buffer,\n",
         UPSTREAM_HOOKS_TEST,
     ),
-    "upstream change calls torch.cuda": (
-        text(
-            "upstream/change.py",
-            "        group.set_logical_topk_ready(leader_index)\n",
-            "        group.set_logical_topk_ready(leader_index)\n"
-            "        torch.cuda.synchronize()\n",
-        ),
+    "upstream change calls torch.cuda": text(
+        "upstream.change",
+        "        group.set_logical_topk_ready(leader_index)\n",
+        "        group.set_logical_topk_ready(leader_index)\n        torch.cuda.synchronize()\n",
         UPSTREAM_HOOKS_TEST,
     ),
-    "upstream-patch patches a statement that differs from 0.33.0's": (
-        edit(
-            "upstream/__init__.py",
-            "patched",
-            'if differ: raise PatchRefused(path, differ[0], f"differs from vLLM {VERSION}\'s")',
-            "",
-        ),
+    "upstream-patch patches a statement that differs from 0.33.0's": edit(
+        "upstream:patched",
+        'if differ: raise PatchRefused(path, differ[0], f"differs from vLLM {VERSION}\'s")',
+        "",
         UPSTREAM_REFUSAL_TEST,
     ),
-    "upstream-patch patches another version": (
-        edit("upstream/__init__.py", "check_version", "version != VERSION", "False"),
-        UPSTREAM_VERSION_TEST,
+    "upstream-patch patches another version": edit(
+        "upstream:check_version", "version != VERSION", "False", UPSTREAM_VERSION_TEST
     ),
-    "upstream-patch exits 0 on a tree it refuses": (
-        edit(
-            "cli.py",
-            "upstream_patch",
-            'raise UsageError(f"cannot patch {src}: {e}; nothing written") from None',
-            "return 0",
-        ),
+    "upstream-patch exits 0 on a tree it refuses": edit(
+        "cli:upstream_patch",
+        'raise UsageError(f"cannot patch {src}: {e}; nothing written") from None',
+        "return 0",
         UPSTREAM_REFUSAL_TEST,
     ),
-    "upstream-patch --dry-run writes": (
-        edit("cli.py", "upstream_patch", "args.dry_run", "False"),
-        UPSTREAM_DRY_RUN_TEST,
+    "upstream-patch --dry-run writes": edit(
+        "cli:upstream_patch", "args.dry_run", "False", UPSTREAM_DRY_RUN_TEST
     ),
 }
 
@@ -681,8 +564,8 @@ MUTATIONS = {
 def copy_package(root: Path, *mutations: Mutation) -> Path:
     """The package copied under `root`, each of `mutations` applied to its module."""
     copy = root / "vllm_dsa_dbo"
-    ignore = shutil.ignore_patterns("__pycache__")
-    shutil.copytree(Path(vllm_dsa_dbo.__file__).parent, copy, ignore=ignore)
+    # With its bytecode: each file keeps its time and size, so only a mutated one is compiled.
+    shutil.copytree(Path(vllm_dsa_dbo.__file__).parent, copy)
     for mutation in mutations:
         path = copy / mutation.path
         path.write_text(mutation.apply(path.read_text()))
@@ -695,12 +578,28 @@ def run_tests(package_root: Path, *tests: str) -> subprocess.CompletedProcess:
     return fresh.python(args, env, cwd=REPO)
 
 
-# The tests the mutations fail, the slow upstream ones apart: each group runs in one process.
-TESTS = sorted({test for _, test in MUTATIONS.values()})
+# The tests the mutations fail: the two slow ones in processes of their own, the others in one.
+SLOW = [UPSTREAM_HOOKS_TEST, TREE_TEST]
 GROUPS = {
-    "upstream": [t for t in TESTS if t.startswith(UPSTREAM)],
-    "others": [t for t in TESTS if not t.startswith(UPSTREAM)],
+    **{test.split("::")[1]: [test] for test in SLOW},
+    "others": sorted({mutation.test for mutation in MUTATIONS.values()} - set(SLOW)),
 }
+
+
+def test_every_mutation_finds_its_site_once_in_a_reformatted_copy(tmp_path):
+    """Reformatted (another line length and quote style), each module mutates as before."""
+    package = Path(vllm_dsa_dbo.__file__).parent
+    copy = copy_package(tmp_path) / "vllm_dsa_dbo"
+    style = ["--line-length", "60", "--config", "format.quote-style='single'"]
+    ruff = [sys.executable, "-m", "ruff", "format", "--isolated", "--no-cache", *style]
+    subprocess.run([*ruff, str(copy)], check=True, capture_output=True)
+    for name, mutation in MUTATIONS.items():
+        source, reformatted = (
+            (package / mutation.path).read_text(),
+            (copy / mutation.path).read_text(),
+        )
+        assert reformatted != source, mutation.path
+        assert mutation.apply(reformatted) == mutation.apply(source), name
 
 
 @pytest.mark.parametrize("group", GROUPS)
@@ -708,7 +607,7 @@ def test_mutated_tests_pass_on_a_copy_the_mutations_parse(group, tmp_path):
     """Each test passes on a copy whose mutated modules went through the syntax tree
     unchanged, as the mutated copies are written."""
     root = copy_package(tmp_path)
-    for path in {mutation.path for mutation, _ in MUTATIONS.values()}:
+    for path in {mutation.path for mutation in MUTATIONS.values()}:
         module = root / "vllm_dsa_dbo" / path
         module.write_text(ast.unparse(ast.parse(module.read_text())))
     tests = GROUPS[group]
@@ -719,8 +618,8 @@ def test_mutated_tests_pass_on_a_copy_the_mutations_parse(group, tmp_path):
 
 @pytest.mark.parametrize("name", MUTATIONS)
 def test_core_test_fails_under_mutation(name, tmp_path):
-    mutation, test = MUTATIONS[name]
-    result = run_tests(copy_package(tmp_path, mutation), test)
+    mutation = MUTATIONS[name]
+    result = run_tests(copy_package(tmp_path, mutation), mutation.test)
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
     assert "AssertionError" in result.stdout or "DID NOT RAISE" in result.stdout
     assert "1 failed" in result.stdout

@@ -28,8 +28,6 @@ import xml.etree.ElementTree as ET
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import fresh
-
 VERSION = "0.33.0"
 SDIST = f"vllm-{VERSION}.tar.gz"
 SDIST_ENV = "VLLM_DSA_DBO_SDIST"
@@ -146,6 +144,8 @@ def run(
     one of the installed vLLM forks, where it can, from an interpreter that imported it
     (fresh.py).
     """
+    import fresh  # imports torch and vLLM (not needed to fetch), setting variables of theirs
+
     env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS" and "DSA_DBO" not in k}
     env.update(env_extra or {})
     if mode == "stock":
