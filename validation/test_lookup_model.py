@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsa_dbo_harness.lookup_task import TRAIN_FACTS, TRAIN_SEED, docs, held_out
+from dsa_dbo_harness.lookup_task import FACT, TRAIN_FACTS, TRAIN_SEED, docs, held_out
 from dsa_dbo_harness.trained import (
     CONFIG,
     IMPLEMENTATION,
@@ -20,8 +20,6 @@ from dsa_dbo_harness.trained import (
     write_lookup_tokenizer,
 )
 from vllm_dsa_dbo.diagnostics.layout import leader_mask
-
-FACT = re.compile(r"(\w+) has (\d+) coins\.")
 
 
 @pytest.fixture(scope="module")

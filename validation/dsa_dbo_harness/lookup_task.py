@@ -15,6 +15,7 @@ import argparse
 import itertools
 import json
 import random
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -39,15 +40,25 @@ NAMES = names()
 VALUES = range(10, 100)
 
 
+# A stated fact, as the question writes it.
+FACT = re.compile(r"(\w+) has (\d+) coins\.")
+
+
+def ask(name: str) -> str:
+    return f"How many coins does {name} have?"
+
+
+def reply(name: str, value: int | str) -> str:
+    """The answer in GSM8K's format: the fact again, then `#### value`."""
+    return f"{name} has {value} coins.\n#### {value}"
+
+
 def make_doc(rng: random.Random, facts: tuple[int, int] = TEST_FACTS) -> dict:
     people = rng.sample(NAMES, rng.randint(*facts))
     coins = {name: rng.choice(VALUES) for name in people}
     target = rng.choice(people)
     facts = " ".join(f"{name} has {coins[name]} coins." for name in people)
-    return {
-        "question": f"{facts} How many coins does {target} have?",
-        "answer": f"{target} has {coins[target]} coins.\n#### {coins[target]}",
-    }
+    return {"question": f"{facts} {ask(target)}", "answer": reply(target, coins[target])}
 
 
 def docs(seed: int, facts: tuple[int, int]) -> Iterator[dict]:

@@ -31,14 +31,23 @@ import random
 import re
 from pathlib import Path
 
-from dsa_dbo_harness.lookup_task import NAMES, TRAIN_FACTS, TRAIN_SEED, VALUES, docs, held_out
+from dsa_dbo_harness.lookup_task import (
+    FACT,
+    NAMES,
+    TRAIN_FACTS,
+    TRAIN_SEED,
+    VALUES,
+    ask,
+    docs,
+    held_out,
+    reply,
+)
 from dsa_dbo_harness.serve import write_tokenizer
 
 # Words with their leading space, whole numbers, punctuation, whitespace.
 PIECE = r" ?[A-Za-z]+| ?[0-9]+| ?[^\sA-Za-z0-9]|\s"
 VOCAB_SIZE = 256
 ANSWER = re.compile(r"#### (\-?[0-9\.\,]+)")  # lm_eval's GSM8K strict-match filter
-FACT = re.compile(r"(\w+) has (\d+) coins\.")
 
 CONFIG = {
     "architectures": ["GlmMoeDsaForCausalLM"],
@@ -116,12 +125,7 @@ def batches(tokenizer, batch_size: int, queries: int = 1):
             ids, labels = [], []
             turns = [(prompt(doc), doc["answer"])]
             for name, value in rng.choices(FACT.findall(doc["question"]), k=queries - 1):
-                turns.append(
-                    (
-                        f"\n{prompt({'question': f'How many coins does {name} have?'})}",
-                        f"{name} has {value} coins.\n#### {value}",
-                    )
-                )
+                turns.append((f"\n{prompt({'question': ask(name)})}", reply(name, value)))
             for question, answer in turns:
                 head, tail = encode(question), encode(" " + answer) + [eos]
                 ids += head + tail
