@@ -1,10 +1,12 @@
 """A GSM8K-format task a tiny model answers only by attending across its prompt.
 
-Each question lists 30-60 people with a number of coins each (hundreds of
-tokens) and asks for one of them; the answer repeats that fact and ends
-`#### N`, so lm_eval's GSM8K filters score it. Every value comes from a fact
-stated once, far back in the prompt: a layer that attends to the wrong tokens
-loses it.
+Each question lists 40-80 people (hundreds of tokens), one of whom has coins,
+and asks for that one; the answer repeats the fact and ends `#### N`, so
+lm_eval's GSM8K filters score it. The value is stated once, anywhere in the
+prompt: a layer that attends to the wrong tokens loses it. One value among
+names, not a value per name: binding names to values is what a model this
+small learns far too slowly (a llama of the same width had not started after
+300 steps with three values, and copied the one value perfectly after 275).
 
     python -m dsa_dbo_harness.lookup_task validation/kv_lookup   # test.jsonl
 """
@@ -23,9 +25,8 @@ CONSONANTS, VOWELS = "bdfgklmnprstvz", "aeiou"
 # Seeds of the two streams: training never sees the held-out questions' generator.
 TRAIN_SEED, TEST_SEED = 0, 1
 TEST_SIZE = 500
-TEST_FACTS = (30, 60)
-# Training also shows short lists: retrieval is learnt there first, in far fewer steps.
-TRAIN_FACTS = (2, 60)
+TEST_FACTS = (40, 80)
+TRAIN_FACTS = (2, 80)
 
 
 def names(count: int = 120) -> list[str]:
@@ -55,10 +56,9 @@ def reply(name: str, value: int | str) -> str:
 
 def make_doc(rng: random.Random, facts: tuple[int, int] = TEST_FACTS) -> dict:
     people = rng.sample(NAMES, rng.randint(*facts))
-    coins = {name: rng.choice(VALUES) for name in people}
-    target = rng.choice(people)
-    facts = " ".join(f"{name} has {coins[name]} coins." for name in people)
-    return {"question": f"{facts} {ask(target)}", "answer": reply(target, coins[target])}
+    target, value = rng.choice(people), rng.choice(VALUES)
+    facts = " ".join(f"{name} has {value if name == target else 'no'} coins." for name in people)
+    return {"question": f"{facts} {ask(target)}", "answer": reply(target, value)}
 
 
 def docs(seed: int, facts: tuple[int, int]) -> Iterator[dict]:

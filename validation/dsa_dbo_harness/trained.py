@@ -31,17 +31,7 @@ import random
 import re
 from pathlib import Path
 
-from dsa_dbo_harness.lookup_task import (
-    FACT,
-    NAMES,
-    TRAIN_FACTS,
-    TRAIN_SEED,
-    VALUES,
-    ask,
-    docs,
-    held_out,
-    reply,
-)
+from dsa_dbo_harness.lookup_task import NAMES, TRAIN_FACTS, TRAIN_SEED, VALUES, docs, held_out
 from dsa_dbo_harness.serve import write_tokenizer
 
 # Words with their leading space, whole numbers, punctuation, whitespace.
@@ -53,15 +43,15 @@ CONFIG = {
     "architectures": ["GlmMoeDsaForCausalLM"],
     "model_type": "glm_moe_dsa",
     "vocab_size": VOCAB_SIZE,
-    "hidden_size": 64,
-    "intermediate_size": 256,
+    "hidden_size": 128,
+    "intermediate_size": 512,
     "moe_intermediate_size": 64,
     "num_hidden_layers": 8,
     "first_k_dense_replace": 2,
     "mlp_layer_types": ["dense"] * 2 + ["sparse"] * 6,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 8,
-    "q_lora_rank": 32,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "q_lora_rank": 64,
     "kv_lora_rank": 512,  # FlashMLA's 576-wide latent (with the 64 RoPE dims)
     "qk_nope_head_dim": 16,
     "qk_rope_head_dim": 64,
@@ -104,16 +94,11 @@ def write_lookup_tokenizer(directory: Path) -> None:
     write_tokenizer(directory, texts, VOCAB_SIZE, PIECE)
 
 
-def batches(tokenizer, batch_size: int, queries: int = 1):
-    """Right-padded (input_ids, labels): the loss is on the answers and their eos only.
-
-    After the task's question, `queries - 1` more questions on the same facts follow,
-    each a retrieval to learn from in the same forward pass.
-    """
+def batches(tokenizer, batch_size: int):
+    """Right-padded (input_ids, labels): the loss is on the answer and its eos only."""
     import torch
 
     stream = docs(TRAIN_SEED, TRAIN_FACTS)
-    rng = random.Random(TRAIN_SEED)
     eos = tokenizer.eos_token_id
 
     def encode(text: str) -> list[int]:
@@ -122,15 +107,8 @@ def batches(tokenizer, batch_size: int, queries: int = 1):
     while True:
         rows = []
         for doc in (next(stream) for _ in range(batch_size)):
-            ids, labels = [], []
-            turns = [(prompt(doc), doc["answer"])]
-            for name, value in rng.choices(FACT.findall(doc["question"]), k=queries - 1):
-                turns.append((f"\n{prompt({'question': ask(name)})}", reply(name, value)))
-            for question, answer in turns:
-                head, tail = encode(question), encode(" " + answer) + [eos]
-                ids += head + tail
-                labels += [-100] * len(head) + tail
-            rows.append((ids, labels))
+            head, tail = encode(prompt(doc)), encode(" " + doc["answer"]) + [eos]
+            rows.append((head + tail, [-100] * len(head) + tail))
         width = max(len(ids) for ids, _ in rows)
         ids = torch.tensor([i + [eos] * (width - len(i)) for i, _ in rows])
         labels = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in rows])
@@ -145,7 +123,7 @@ def answer_loss(model, ids, labels):
     return torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels[:, 1:]), logits
 
 
-def train(out: Path, steps: int, batch_size: int, lr: float, queries: int) -> None:
+def train(out: Path, steps: int, batch_size: int, lr: float) -> None:
     import torch
     from tqdm import tqdm
     from transformers import AutoTokenizer, GlmMoeDsaConfig, GlmMoeDsaForCausalLM
@@ -170,7 +148,7 @@ def train(out: Path, steps: int, batch_size: int, lr: float, queries: int) -> No
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     model.train()
-    progress = tqdm(zip(range(1, steps + 1), batches(tokenizer, batch_size, queries)), total=steps)
+    progress = tqdm(zip(range(1, steps + 1), batches(tokenizer, batch_size)), total=steps)
     for step, (ids, labels) in progress:
         ids, labels = ids.to(device), labels.to(device)
         loss, logits = answer_loss(model, ids, labels)
@@ -254,10 +232,9 @@ def main() -> None:
     verbs = parser.add_subparsers(dest="verb", required=True)
     p = verbs.add_parser("train")
     p.add_argument("out", type=Path)
-    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--queries", type=int, default=1, help="questions per training prompt")
+    p.add_argument("--lr", type=float, default=1e-3)
     p = verbs.add_parser("widen")
     p.add_argument("src", type=Path)
     p.add_argument("dst", type=Path)
@@ -267,7 +244,7 @@ def main() -> None:
     p.add_argument("--limit", type=int, default=None)
     args = parser.parse_args()
     if args.verb == "train":
-        train(args.out, args.steps, args.batch_size, args.lr, args.queries)
+        train(args.out, args.steps, args.batch_size, args.lr)
     elif args.verb == "widen":
         widen(args.src, args.dst)
     else:
