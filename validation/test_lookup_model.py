@@ -1,9 +1,8 @@
-"""The lookup task, its tokenizer and the GLM-5-shaped checkpoint format, on CPU."""
+"""The lookup task, its tokenizer and the trained GLM-5-shaped checkpoint, on CPU."""
 
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ from dsa_dbo_harness.lookup_task import FACT, TRAIN_FACTS, TRAIN_SEED, docs, hel
 from dsa_dbo_harness.trained import (
     CONFIG,
     IMPLEMENTATION,
+    answer,
     batches,
     exact_match,
     prompt,
@@ -20,6 +20,9 @@ from dsa_dbo_harness.trained import (
     write_lookup_tokenizer,
 )
 from vllm_dsa_dbo.diagnostics.layout import leader_mask
+
+MODEL = Path(__file__).parent / "kv_lookup" / "model"
+SAMPLE = held_out()[::25]  # 20 of the 500; all 500 took 9 min here (validation/results)
 
 
 @pytest.fixture(scope="module")
@@ -29,16 +32,25 @@ def tokenizer_dir(tmp_path_factory):
     return directory
 
 
+@pytest.fixture(scope="module")
+def model():
+    from transformers import AutoTokenizer, GlmMoeDsaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(MODEL)
+    weights = GlmMoeDsaForCausalLM.from_pretrained(MODEL, dtype=torch.float32, **IMPLEMENTATION)
+    return tokenizer, weights.eval()
+
+
 def test_answers_are_the_facts_and_held_out():
     questions = held_out()
-    committed = (Path(__file__).parent / "kv_lookup" / "test.jsonl").read_text().splitlines()
+    committed = (MODEL.parent / "test.jsonl").read_text().splitlines()
     assert [json.loads(line) for line in committed] == questions
     assert len({doc["question"] for doc in questions}) == len(questions) == 500
     for doc in questions:
-        facts = dict(FACT.findall(doc["question"]))
-        target = re.search(r"does (\w+) have\?$", doc["question"]).group(1)
-        assert 30 <= len(facts) <= 60 and len(facts) == doc["question"].count(" coins.")
-        assert doc["answer"] == f"{target} has {facts[target]} coins.\n#### {facts[target]}"
+        ((name, value),) = FACT.findall(doc["question"])
+        assert 40 <= doc["question"].count(" coins.") <= 80
+        assert doc["question"].endswith(f"How many coins does {name} have?")
+        assert doc["answer"] == f"{name} has {value} coins.\n#### {value}"
         assert exact_match(f" {doc['answer']}", doc)
     stream = docs(TRAIN_SEED, TRAIN_FACTS)
     seen = {next(stream)["question"] for _ in range(5_000)}
@@ -65,62 +77,84 @@ def test_tokenizer_is_exact_and_prompts_stay_within_index_topk(tokenizer_dir):
     assert 200 < max(lengths) <= CONFIG["index_topk"]
 
 
-def test_training_grades_only_answers_each_a_stated_fact(tokenizer_dir):
+def test_training_grades_only_the_answer(tokenizer_dir):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    ids, labels = next(batches(tokenizer, batch_size=8, queries=3))
-    eos = tokenizer.eos_token_id
+    ids, labels = next(batches(tokenizer, batch_size=8))
     for row, graded in zip(ids.tolist(), labels.tolist()):
-        text = tokenizer.decode(row[: row.index(eos)])
-        facts = dict(FACT.findall(text.split("How many")[0]))
-        answers = tokenizer.decode([t for t, g in zip(row, graded) if g != -100]).split("</s>")
-        asked = re.findall(r"does (\w+) have\?", tokenizer.decode(row))
-        assert len(asked) == 3 and answers[3:] == [""]
-        for name, answer in zip(asked, answers):
-            assert answer == f" {name} has {facts[name]} coins.\n#### {facts[name]}"
+        text = tokenizer.decode(row)
+        ((name, value),) = FACT.findall(text.split("Answer:")[0])
+        answer_ids = [t for t, g in zip(row, graded) if g != -100]
+        assert tokenizer.decode(answer_ids) == f" {name} has {value} coins.\n#### {value}</s>"
 
 
-def save_untrained(directory, config: dict):
-    from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
-
-    torch.manual_seed(0)
-    model = GlmMoeDsaForCausalLM._from_config(GlmMoeDsaConfig(**config), **IMPLEMENTATION)
-    model.to(torch.bfloat16).save_pretrained(directory)
+def test_checkpoint_answers_held_out_questions():
+    completions = answer(MODEL, SAMPLE)
+    assert sum(map(exact_match, completions, SAMPLE)) >= 0.95 * len(SAMPLE)
 
 
-def test_vllm_reads_the_same_leaders_as_transformers(tmp_path):
+def value_accuracy(model, blind: tuple[int, ...] = ()) -> float:
+    """How often the model says the value after "X has"; `blind` layers see only themselves."""
+    tokenizer, weights = model
+
+    def self_only(module, args, kwargs):
+        batch, length = kwargs["hidden_states"].shape[:2]
+        kwargs["prev_topk_indices"] = torch.arange(length, dtype=torch.int32).expand(batch, -1)[
+            ..., None
+        ]
+        return args, kwargs
+
+    hooks = [
+        weights.model.layers[i].self_attn.register_forward_pre_hook(self_only, with_kwargs=True)
+        for i in blind
+    ]
+    right = 0
+    for doc in SAMPLE:
+        ((name, value),) = FACT.findall(doc["question"])
+        ids = tokenizer(f"{prompt(doc)} {name} has", return_tensors="pt", add_special_tokens=False)
+        with torch.no_grad():
+            right += tokenizer.decode(weights(**ids).logits[0, -1].argmax()) == f" {value}"
+    for hook in hooks:
+        hook.remove()
+    return right / len(SAMPLE)
+
+
+def test_the_answer_needs_the_followers_attention(model):
+    # The DBO bug gives followers another microbatch's top-k; a follower that sees none of the
+    # prompt stands for it here. Followers read only the top-k they are handed.
+    followers = [i for i, leads in enumerate(leader_mask(model[1].config.to_dict())) if not leads]
+    assert followers == [3, 4, 5, 7]
+    assert value_accuracy(model) == 1.0
+    assert value_accuracy(model, blind=tuple(followers)) <= 0.2
+
+
+def test_vllm_reads_the_same_leaders_as_transformers():
     from safetensors import safe_open
 
-    save_untrained(tmp_path, CONFIG)
-    saved = json.loads((tmp_path / "config.json").read_text())
+    saved = json.loads((MODEL / "config.json").read_text())
+    assert {k: saved[k] for k in CONFIG if k != "architectures"} == {
+        k: v for k, v in CONFIG.items() if k != "architectures"
+    }
     leaders = leader_mask(saved)
     assert leaders == [True, True, True, False, False, False, True, False]
     assert [kind == "full" for kind in saved["indexer_types"]] == leaders
-    with safe_open(tmp_path / "model.safetensors", "pt") as weights:
+    with safe_open(MODEL / "model.safetensors", "pt") as weights:
         indexed = {int(k.split(".")[2]) for k in weights.keys() if ".indexer." in k}
     assert indexed == {i for i, leads in enumerate(leaders) if leads}
 
 
-def test_widen_keeps_the_function(tmp_path, tokenizer_dir):
-    from transformers import AutoTokenizer, GlmMoeDsaForCausalLM
-
-    save_untrained(tmp_path / "small", CONFIG)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (tmp_path / "small" / name).write_bytes((tokenizer_dir / name).read_bytes())
-    widen(tmp_path / "small", tmp_path / "wide", hidden=256)  # norms scale by 1/2: exact
-    wide_config = json.loads((tmp_path / "wide" / "config.json").read_text())
-    assert wide_config["hidden_size"] == 256
+def test_widen_keeps_the_function(tmp_path, model):
+    widen(MODEL, tmp_path, hidden=512)  # norms scale by sqrt(128 / 512) = 1/2: exact
+    wide_config = json.loads((tmp_path / "config.json").read_text())
+    assert wide_config["hidden_size"] == 512
     assert wide_config["index_topk_freq"] == 4 and wide_config["index_skip_topk_offset"] == 3
 
-    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "wide")
-    ids = tokenizer(prompt(held_out()[0]), return_tensors="pt", add_special_tokens=False)
-    logits = []
-    for name in ("small", "wide"):
-        model = GlmMoeDsaForCausalLM.from_pretrained(
-            tmp_path / name, dtype=torch.float32, **IMPLEMENTATION
-        )
-        with torch.no_grad():
-            logits.append(model(**ids).logits)
-    small, wide = logits
-    assert (small - wide).abs().max() < 1e-4 * small.abs().max()
+    from transformers import GlmMoeDsaForCausalLM
+
+    tokenizer, small = model
+    wide = GlmMoeDsaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, **IMPLEMENTATION)
+    ids = tokenizer(prompt(SAMPLE[0]), return_tensors="pt", add_special_tokens=False)
+    with torch.no_grad():
+        narrow_logits, wide_logits = small(**ids).logits, wide(**ids).logits
+    assert (narrow_logits - wide_logits).abs().max() < 1e-4 * narrow_logits.abs().max()
