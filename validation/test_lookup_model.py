@@ -14,6 +14,7 @@ from dsa_dbo_harness.trained import (
     IMPLEMENTATION,
     answer,
     batches,
+    control,
     exact_match,
     prompt,
     widen,
@@ -61,6 +62,8 @@ def test_tokenizer_is_exact_and_prompts_stay_within_index_topk(tokenizer_dir):
     from transformers import AutoTokenizer
     from vllm.tokenizers.registry import get_tokenizer
 
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # the checkpoint's, written again
+        assert (tokenizer_dir / name).read_bytes() == (MODEL / name).read_bytes()
     hf = AutoTokenizer.from_pretrained(tokenizer_dir)
     served = get_tokenizer(str(tokenizer_dir))
     for tokenizer in (hf, served):
@@ -158,3 +161,18 @@ def test_widen_keeps_the_function(tmp_path, model):
     with torch.no_grad():
         narrow_logits, wide_logits = small(**ids).logits, wide(**ids).logits
     assert (narrow_logits - wide_logits).abs().max() < 1e-4 * narrow_logits.abs().max()
+
+
+def test_control_shares_no_top_k_and_keeps_the_function(tmp_path, model):
+    control(MODEL, tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["index_topk_freq"] == 1 and all(leader_mask(saved))
+    assert saved["indexer_types"] == ["full"] * saved["num_hidden_layers"]
+
+    from transformers import GlmMoeDsaForCausalLM
+
+    tokenizer, trained = model
+    every = GlmMoeDsaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, **IMPLEMENTATION)
+    ids = tokenizer(prompt(SAMPLE[0]), return_tensors="pt", add_special_tokens=False)
+    with torch.no_grad():
+        assert torch.equal(trained(**ids).logits, every(**ids).logits)

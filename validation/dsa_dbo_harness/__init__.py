@@ -40,7 +40,8 @@ PROFILED_FORWARD = 20
 HOST_OPS = 25
 # The product's functions of the frame-timed forward kept, by self time.
 BUSIEST_FRAMES = 12
-LOG_EVERY = 50
+# Log every Nth microbatched forward of a worker (and the first), with the checker's counts.
+LOG_EVERY_ENV = "VLLM_DSA_DBO_HARNESS_LOG_EVERY"
 
 # Per process, read back through collective_rpc: microbatched forwards by kind,
 # and with MEASURE_ENV the measurements below.
@@ -408,6 +409,7 @@ def _count_microbatched_steps() -> None:
 
     logger = init_logger("vllm.dsa_dbo_harness")
     measure = os.environ.get(MEASURE_ENV) == "1"
+    log_every = int(os.environ.get(LOG_EVERY_ENV, "50"))
 
     def __call__(self, *args, **kwargs):
         from vllm.forward_context import get_forward_context
@@ -416,8 +418,17 @@ def _count_microbatched_steps() -> None:
             return stock_call(self, *args, **kwargs)
         COUNTS["ubatched_calls"] += 1
         calls = COUNTS["ubatched_calls"]
-        if calls == 1 or calls % LOG_EVERY == 0:
-            logger.info("dsa_dbo_harness: %d microbatched forwards", calls)
+        if calls == 1 or calls % log_every == 0:
+            from vllm_dsa_dbo.diagnostics import isolation
+
+            checker = isolation.CHECKER
+            checked = (
+                ""
+                if checker is None
+                else f"; checker {checker.checked_reads} reads, "
+                f"{sum(checker.violations.values())} bad"
+            )
+            logger.info("dsa_dbo_harness: %d microbatched forwards%s", calls, checked)
         if measure and MEASURED["from_call"] is not None:
             return _measured(lambda: stock_call(self, *args, **kwargs))
         return stock_call(self, *args, **kwargs)

@@ -2,6 +2,7 @@
 
     python -m dsa_dbo_harness.trained train validation/kv_lookup/model   # on a GPU
     python -m dsa_dbo_harness.trained widen validation/kv_lookup/model /tmp/wide
+    python -m dsa_dbo_harness.trained control validation/kv_lookup/model /tmp/freq1
     python -m dsa_dbo_harness.trained answer MODEL OUT.jsonl [--limit N]
 
 `train` fits transformers' own `GlmMoeDsaForCausalLM` to the lookup task
@@ -19,6 +20,11 @@ kernels are built for hidden sizes 2048-8192 only, so `widen` writes the same
 function at hidden size 2048: zero rows and columns for the new dimensions,
 and the hidden-size RMSNorm weights and eps rescaled so that every norm sees
 the same mean square.
+
+`control` writes the same weights with `index_topk_freq=1`: every layer runs its
+own indexer (the former followers' are new and untrained, which changes nothing
+while the indexer selects every token), so no top-k is shared and DBO has
+nothing to get wrong.
 """
 
 from __future__ import annotations
@@ -29,10 +35,12 @@ import json
 import math
 import os
 import re
+import shutil
+from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path
 
 from dsa_dbo_harness.lookup_task import NAMES, TRAIN_FACTS, TRAIN_SEED, VALUES, docs, held_out
-from dsa_dbo_harness.serve import write_tokenizer
 
 # Words with their leading space, whole numbers, punctuation, whitespace.
 PIECE = r" ?[A-Za-z]+| ?[0-9]+| ?[^\sA-Za-z0-9]|\s"
@@ -85,6 +93,44 @@ IMPLEMENTATION = {"attn_implementation": "sdpa", "experts_implementation": "grou
 def prompt(doc: dict) -> str:
     """lm_eval's GSM8K prompt (`doc_to_text`) for the task's yaml."""
     return f"Question: {doc['question']}\nAnswer:"
+
+
+SPECIAL = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+
+
+def write_tokenizer(
+    directory: Path,
+    texts: Iterable[str],
+    vocab_size: int,
+    piece: str,
+) -> Path:
+    """tokenizer.json + tokenizer_config.json, built locally, with exactly `vocab_size` ids.
+
+    Word level: exact over `texts`, and padded with filler words so that every id decodes.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    counts = Counter(p for text in texts for p in re.findall(piece, text))
+    pieces = [*SPECIAL.values(), *sorted(counts, key=lambda p: (-counts[p], p))]
+    if len(pieces) > vocab_size:
+        raise ValueError(f"{len(pieces)} distinct pieces do not fit a vocabulary of {vocab_size}")
+    pieces += [f" w{i}" for i in range(vocab_size - len(pieces))]
+    tokenizer = Tokenizer(
+        models.WordLevel({p: i for i, p in enumerate(pieces)}, SPECIAL["unk_token"])
+    )
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(piece), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    tokenizer.add_special_tokens(list(SPECIAL.values()))
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **SPECIAL,
+        "model_max_length": CONFIG["max_position_embeddings"],
+        "clean_up_tokenization_spaces": False,
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+    return directory
 
 
 def write_lookup_tokenizer(directory: Path) -> None:
@@ -165,10 +211,13 @@ def train(out: Path, steps: int, batch_size: int, lr: float) -> None:
             copy.deepcopy(model).to(torch.bfloat16).save_pretrained(out)
 
 
+def copy_tokenizer(src: Path, dst: Path) -> None:
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / name, dst / name)
+
+
 def widen(src: Path, dst: Path, hidden: int = WIDE_HIDDEN) -> None:
     """`src` at hidden size `hidden`, computing the same function."""
-    import shutil
-
     import torch
     from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
 
@@ -188,8 +237,23 @@ def widen(src: Path, dst: Path, hidden: int = WIDE_HIDDEN) -> None:
             state[name] = target
     wide.load_state_dict(state)
     wide.to(torch.bfloat16).save_pretrained(dst)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(src / name, dst / name)
+    copy_tokenizer(src, dst)
+
+
+def control(src: Path, dst: Path) -> None:
+    """`src` with `index_topk_freq=1`: an indexer in every layer, the same function."""
+    import torch
+    from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+
+    settings = {**json.loads((src / "config.json").read_text()), "index_topk_freq": 1}
+    settings.pop("indexer_types")  # derived again from the frequency
+    torch.manual_seed(0)
+    model = GlmMoeDsaForCausalLM(GlmMoeDsaConfig(**settings))
+    trained = GlmMoeDsaForCausalLM.from_pretrained(src).state_dict()
+    missing, unexpected = model.load_state_dict(trained, strict=False)
+    assert not unexpected and all(".indexer." in name for name in missing), missing
+    model.to(torch.bfloat16).save_pretrained(dst)
+    copy_tokenizer(src, dst)
 
 
 def answer(model_dir: Path, questions: list[dict], batch_size: int = 100) -> list[str]:
@@ -238,6 +302,9 @@ def main() -> None:
     p = verbs.add_parser("widen")
     p.add_argument("src", type=Path)
     p.add_argument("dst", type=Path)
+    p = verbs.add_parser("control")
+    p.add_argument("src", type=Path)
+    p.add_argument("dst", type=Path)
     p = verbs.add_parser("answer")
     p.add_argument("model", type=Path)
     p.add_argument("out", type=Path)
@@ -247,6 +314,8 @@ def main() -> None:
         train(args.out, args.steps, args.batch_size, args.lr)
     elif args.verb == "widen":
         widen(args.src, args.dst)
+    elif args.verb == "control":
+        control(args.src, args.dst)
     else:
         questions = held_out()[: args.limit]
         completions = answer(args.model, questions)

@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# Issue 28's accuracy table on ONE GPU: the trained lookup model served by `vllm serve` with two
+# DP ranks on GPU 0 (one process each: rank 0 with the API server, rank 1 headless), expert
+# parallel over DeepEP, answering the 500 held-out questions through lm_eval's local-completions
+# with --log_samples. One server at a time; the arms:
+#   off_a off_b               DBO off (the floor)
+#   stock                     DBO on, VLLM_DSA_DBO_DISABLE=stock (vLLM as shipped)
+#   fix                       DBO on, the plugin
+#   stock_check fix_check     the same with VLLM_DSA_DBO_CHECK=audit, for the checker's counts
+#   f1_off f1_stock           the same weights at index_topk_freq=1 (`trained control`)
+#   validation/serve_table.sh OUTDIR ht|ll ARM...
+#     ht: deepep_high_throughput, eager, fp8 KV cache, prefix caching; the model as trained
+#     ll: deepep_low_latency, FULL_DECODE_ONLY CUDA graphs, fp8 KV cache; the model widened to
+#         hidden 2048 (`trained widen`: DeepEP's low-latency kernels take 2048-8192)
+# On the device, from the repo root, after ../shared/gpu's bundle (`GPU_PACK_CHUNK_MB=38 pack`: the
+# tree is 23 MB with the checkpoint, and tree plus chunk must stay under 64 MiB), with .whl carried
+# (the wheels of validation/lm_eval-wheels.txt and transformers 5.20.2; installed into /tmp/site):
+#   bash validation/device_setup.sh && bash validation/serve_table.sh $OUT/ht ht off_a stock
+# OUTDIR.tgz holds summary.md, each process's log and each arm's lm_eval output. Afterwards,
+# anywhere: `vllm-dsa-dbo ab off_a stock fix ... --task kv_lookup` in the unpacked folder.
+set -uo pipefail
+out="$(realpath -m "${1:?usage: serve_table.sh OUTDIR ht|ll ARM...}")" mode="${2:?ht or ll}"
+shift 2
+cd "$(dirname "$0")/.."
+. /tmp/gpu/env.sh
+[ -d .whl ] || { echo "no .whl here: carry it (lm_eval's wheels and transformers)"; exit 2; }
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl 2>&1 | grep -v "Running pip as\|^WARNING: Target directory" || true
+site=/tmp/site:$PWD/validation${PYTHONPATH:+:$PYTHONPATH}
+export VLLM_DSA_DBO_HARNESS=1 VLLM_DSA_DBO_HARNESS_GATES=0 VLLM_DSA_DBO_HARNESS_LOG_EVERY=1 \
+  VLLM_DBO_COMM_SMS=0 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_USE_DEEP_GEMM=0 VLLM_MOE_USE_DEEP_GEMM=0 \
+  CUDA_VISIBLE_DEVICES=0 NCCL_MULTI_RANK_GPU_ENABLE=1 \
+  HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HOME=/tmp/dsa-dbo-serve/hf TOKENIZERS_PARALLELISM=false
+mkdir -p "$out"
+exec > >(tee "$out/summary.md") 2>&1
+
+models=/tmp/dsa-dbo-serve/$mode
+mkdir -p "$models"
+case "$mode" in
+  ht) backend=deepep_high_throughput
+      flags=(--enforce-eager --kv-cache-dtype fp8 --enable-prefix-caching)
+      [ -d "$models/freq4" ] || cp -r validation/kv_lookup/model "$models/freq4" ;;
+  ll) backend=deepep_low_latency
+      flags=(--kv-cache-dtype fp8 --no-enable-prefix-caching --compilation-config
+        '{"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [4, 8, 16, 32]}')
+      export NVSHMEM_QP_DEPTH=8200
+      [ -d "$models/freq4" ] || PYTHONPATH=$site python3 -m dsa_dbo_harness.trained widen \
+        validation/kv_lookup/model "$models/freq4" || exit 1 ;;
+  *) echo "mode: ht or ll, not $mode"; exit 2 ;;
+esac
+[ -d "$models/freq1" ] || PYTHONPATH=$site python3 -m dsa_dbo_harness.trained control \
+  "$models/freq4" "$models/freq1" || exit 1
+common=(--data-parallel-size 2 --data-parallel-size-local 1 --data-parallel-address 127.0.0.1
+  --data-parallel-rpc-port 13345 --enable-expert-parallel --all2all-backend "$backend"
+  --attention-backend FLASHMLA_SPARSE --block-size 64 --max-model-len 1024 --max-num-seqs 64
+  --max-num-batched-tokens 4096 --seed 0 --gpu-memory-utilization 0.3 "${flags[@]}")
+dbo=(--enable-dbo --dbo-decode-token-threshold 4 --dbo-prefill-token-threshold 64)
+port=8101
+pids=()
+
+stop() {  # the arm's processes and their children, politely first
+  [ ${#pids[@]} -gt 0 ] || return 0
+  kill -TERM "${pids[@]}" 2>/dev/null
+  for _ in $(seq 15); do kill -0 "${pids[@]}" 2>/dev/null || break; sleep 1; done
+  for pid in "${pids[@]}"; do kill -KILL -- "-$pid" 2>/dev/null; done
+  pids=()
+}
+trap stop EXIT
+trap 'exit 1' INT TERM
+
+healthy() {  # ARM: /health within 300 s, or why not
+  local t0=$SECONDS
+  while [ $((SECONDS - t0)) -lt 300 ]; do
+    for pid in "${pids[@]}"; do
+      kill -0 "$pid" 2>/dev/null && continue
+      echo "$1: a rank exited during startup"; tail -n 25 "$out/$1".rank*.log; return 1
+    done
+    python3 -c 'import sys, urllib.request as u; u.build_opener(u.ProxyHandler({})).open(sys.argv[1], timeout=2)' \
+      "http://127.0.0.1:$port/health" 2>/dev/null && { echo "$1: up after $((SECONDS - t0)) s"; return 0; }
+    sleep 2
+  done
+  echo "$1: no /health after 300 s"; tail -n 25 "$out/$1".rank*.log; return 1
+}
+
+arm() {  # ARM: serve, evaluate, stop
+  local name=$1 model=$models/freq4 disable="" check="" extra=()
+  case "$name" in
+    off_a|off_b) ;;
+    stock) disable=stock extra=("${dbo[@]}") ;;
+    fix) extra=("${dbo[@]}") ;;
+    stock_check) disable=stock check=audit extra=("${dbo[@]}") ;;
+    fix_check) check=audit extra=("${dbo[@]}") ;;
+    f1_off) model=$models/freq1 ;;
+    f1_stock) model=$models/freq1 disable=stock extra=("${dbo[@]}") ;;
+    *) echo "unknown arm $name"; return 1 ;;
+  esac
+  echo "## $name"
+  local t0=$SECONDS run=(python3 -m vllm.entrypoints.cli.main serve "$model" "${common[@]}" "${extra[@]}")
+  VLLM_DSA_DBO_DISABLE=$disable VLLM_DSA_DBO_CHECK=$check setsid "${run[@]}" --port $port \
+    --host 127.0.0.1 --disable-uvicorn-access-log > "$out/$name.rank0.log" 2>&1 &
+  pids+=($!)
+  VLLM_DSA_DBO_DISABLE=$disable VLLM_DSA_DBO_CHECK=$check setsid "${run[@]}" --headless \
+    --data-parallel-start-rank 1 > "$out/$name.rank1.log" 2>&1 &
+  pids+=($!)
+  healthy "$name" || { stop; return 1; }
+  mkdir -p "$out/$name"
+  PYTHONPATH=/tmp/site timeout 240 python3 -m lm_eval --model local-completions \
+    --model_args "model=$model,base_url=http://127.0.0.1:$port/v1/completions,num_concurrent=64,tokenized_requests=False,tokenizer_backend=huggingface,max_retries=1" \
+    --tasks kv_lookup --include_path validation/kv_lookup --log_samples \
+    --output_path "$out/$name" --seed 0 > "$out/$name/lm_eval.log" 2>&1
+  echo "$name: lm_eval rc=$? after $((SECONDS - t0)) s"
+  grep -E "strict-match|flexible" "$out/$name/lm_eval.log" | head -2
+  stop
+  for rank in 0 1; do
+    echo "$name rank $rank: $(grep -c 'keeps shared top-k per DBO microbatch' "$out/$name.rank$rank.log") plugin lines;" \
+      "$(grep -h 'dsa_dbo_harness: ' "$out/$name.rank$rank.log" | tail -n 1 | sed 's/.*dsa_dbo_harness: //')"
+    grep -hE 'Traceback|Error' "$out/$name.rank$rank.log" | tail -n 3
+  done
+}
+
+for name in "$@"; do arm "$name"; done
+echo "total $SECONDS s"
+tar -czf "$out.tgz" -C "$(dirname "$out")" "$(basename "$out")" && rm -rf "$out"
