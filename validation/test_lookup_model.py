@@ -103,9 +103,8 @@ def value_accuracy(model, blind: tuple[int, ...] = ()) -> float:
 
     def self_only(module, args, kwargs):
         batch, length = kwargs["hidden_states"].shape[:2]
-        kwargs["prev_topk_indices"] = torch.arange(length, dtype=torch.int32).expand(batch, -1)[
-            ..., None
-        ]
+        own = torch.arange(length, dtype=torch.int32).view(1, length, 1)
+        kwargs["prev_topk_indices"] = own.expand(batch, -1, -1)
         return args, kwargs
 
     hooks = [
@@ -113,13 +112,16 @@ def value_accuracy(model, blind: tuple[int, ...] = ()) -> float:
         for i in blind
     ]
     right = 0
-    for doc in SAMPLE:
-        ((name, value),) = FACT.findall(doc["question"])
-        ids = tokenizer(f"{prompt(doc)} {name} has", return_tensors="pt", add_special_tokens=False)
-        with torch.no_grad():
-            right += tokenizer.decode(weights(**ids).logits[0, -1].argmax()) == f" {value}"
-    for hook in hooks:
-        hook.remove()
+    try:
+        for doc in SAMPLE:
+            ((name, value),) = FACT.findall(doc["question"])
+            text = f"{prompt(doc)} {name} has"
+            ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)
+            with torch.no_grad():
+                right += tokenizer.decode(weights(**ids).logits[0, -1].argmax()) == f" {value}"
+    finally:
+        for hook in hooks:
+            hook.remove()
     return right / len(SAMPLE)
 
 

@@ -37,7 +37,6 @@ import os
 import re
 import shutil
 from collections import Counter
-from collections.abc import Iterable
 from pathlib import Path
 
 from dsa_dbo_harness.lookup_task import NAMES, TRAIN_FACTS, TRAIN_SEED, VALUES, docs, held_out
@@ -45,6 +44,7 @@ from dsa_dbo_harness.lookup_task import NAMES, TRAIN_FACTS, TRAIN_SEED, VALUES, 
 # Words with their leading space, whole numbers, punctuation, whitespace.
 PIECE = r" ?[A-Za-z]+| ?[0-9]+| ?[^\sA-Za-z0-9]|\s"
 VOCAB_SIZE = 256
+SPECIAL = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
 ANSWER = re.compile(r"#### (\-?[0-9\.\,]+)")  # lm_eval's GSM8K strict-match filter
 
 CONFIG = {
@@ -95,30 +95,23 @@ def prompt(doc: dict) -> str:
     return f"Question: {doc['question']}\nAnswer:"
 
 
-SPECIAL = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+def write_lookup_tokenizer(directory: Path) -> None:
+    """A word-level tokenizer, built locally: every name and value is one word.
 
-
-def write_tokenizer(
-    directory: Path,
-    texts: Iterable[str],
-    vocab_size: int,
-    piece: str,
-) -> Path:
-    """tokenizer.json + tokenizer_config.json, built locally, with exactly `vocab_size` ids.
-
-    Word level: exact over `texts`, and padded with filler words so that every id decodes.
+    The test questions give the other words; filler words pad it to VOCAB_SIZE ids
+    so that every id the model can sample decodes.
     """
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
-    counts = Counter(p for text in texts for p in re.findall(piece, text))
+    texts = [f"{prompt(doc)} {doc['answer']}" for doc in held_out()[:20]]
+    texts.append(" ".join([*NAMES, *map(str, VALUES)]))
+    counts = Counter(p for text in texts for p in re.findall(PIECE, text))
     pieces = [*SPECIAL.values(), *sorted(counts, key=lambda p: (-counts[p], p))]
-    if len(pieces) > vocab_size:
-        raise ValueError(f"{len(pieces)} distinct pieces do not fit a vocabulary of {vocab_size}")
-    pieces += [f" w{i}" for i in range(vocab_size - len(pieces))]
+    pieces += [f" w{i}" for i in range(VOCAB_SIZE - len(pieces))]
     tokenizer = Tokenizer(
         models.WordLevel({p: i for i, p in enumerate(pieces)}, SPECIAL["unk_token"])
     )
-    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(piece), behavior="isolated")
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(PIECE), behavior="isolated")
     tokenizer.decoder = decoders.Fuse()
     tokenizer.add_special_tokens(list(SPECIAL.values()))
     directory.mkdir(parents=True, exist_ok=True)
@@ -130,14 +123,6 @@ def write_tokenizer(
         "clean_up_tokenization_spaces": False,
     }
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
-    return directory
-
-
-def write_lookup_tokenizer(directory: Path) -> None:
-    """Every name and value as one word; the test questions give the other words."""
-    texts = [f"{prompt(doc)} {doc['answer']}" for doc in held_out()[:20]]
-    texts.append(" ".join([*NAMES, *map(str, VALUES)]))
-    write_tokenizer(directory, texts, VOCAB_SIZE, PIECE)
 
 
 def batches(tokenizer, batch_size: int):
