@@ -36,20 +36,21 @@ exec > >(tee "$out/summary.md") 2>&1
 
 models=/tmp/dsa-dbo-serve/$mode
 mkdir -p "$models"
+freq4=$models/freq4 freq1=$models/freq1
 case "$mode" in
   ht) backend=deepep_high_throughput
       flags=(--enforce-eager --kv-cache-dtype fp8 --enable-prefix-caching)
-      [ -d "$models/freq4" ] || cp -r validation/kv_lookup/model "$models/freq4" ;;
+      freq4=$PWD/validation/kv_lookup/model ;;
   ll) backend=deepep_low_latency
       flags=(--kv-cache-dtype fp8 --no-enable-prefix-caching --compilation-config
         '{"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [4, 8, 16, 32]}')
       export NVSHMEM_QP_DEPTH=8200
-      [ -d "$models/freq4" ] || PYTHONPATH=$site python3 -m dsa_dbo_harness.trained widen \
-        validation/kv_lookup/model "$models/freq4" || exit 1 ;;
+      [ -d "$freq4" ] || PYTHONPATH=$site python3 -m dsa_dbo_harness.trained widen \
+        validation/kv_lookup/model "$freq4" || exit 1 ;;
   *) echo "mode: ht or ll, not $mode"; exit 2 ;;
 esac
-[ -d "$models/freq1" ] || PYTHONPATH=$site python3 -m dsa_dbo_harness.trained control \
-  "$models/freq4" "$models/freq1" || exit 1
+[ -d "$freq1" ] || PYTHONPATH=$site python3 -m dsa_dbo_harness.trained control \
+  "$freq4" "$freq1" || exit 1
 common=(--data-parallel-size 2 --data-parallel-size-local 1 --data-parallel-address 127.0.0.1
   --data-parallel-rpc-port 13345 --enable-expert-parallel --all2all-backend "$backend"
   --attention-backend FLASHMLA_SPARSE --block-size 64 --max-model-len 1024 --max-num-seqs 64
@@ -83,24 +84,23 @@ healthy() {  # ARM: /health within 300 s, or why not
 }
 
 arm() {  # ARM: serve, evaluate, stop
-  local name=$1 model=$models/freq4 disable="" check="" extra=()
+  local name=$1 model=$freq4 disable="" check="" extra=()
   case "$name" in
     off_a|off_b) ;;
     stock) disable=stock extra=("${dbo[@]}") ;;
     fix) extra=("${dbo[@]}") ;;
     stock_check) disable=stock check=audit extra=("${dbo[@]}") ;;
     fix_check) check=audit extra=("${dbo[@]}") ;;
-    f1_off) model=$models/freq1 ;;
-    f1_stock) model=$models/freq1 disable=stock extra=("${dbo[@]}") ;;
+    f1_off) model=$freq1 ;;
+    f1_stock) model=$freq1 disable=stock extra=("${dbo[@]}") ;;
     *) echo "unknown arm $name"; return 1 ;;
   esac
   echo "## $name"
-  local t0=$SECONDS run=(python3 -m vllm.entrypoints.cli.main serve "$model" "${common[@]}" "${extra[@]}")
-  VLLM_DSA_DBO_DISABLE=$disable VLLM_DSA_DBO_CHECK=$check setsid "${run[@]}" --port $port \
-    --host 127.0.0.1 --disable-uvicorn-access-log > "$out/$name.rank0.log" 2>&1 &
+  local t0=$SECONDS run=(setsid env VLLM_DSA_DBO_DISABLE="$disable" VLLM_DSA_DBO_CHECK="$check"
+    python3 -m vllm.entrypoints.cli.main serve "$model" "${common[@]}" "${extra[@]}")
+  "${run[@]}" --port $port --host 127.0.0.1 --disable-uvicorn-access-log > "$out/$name.rank0.log" 2>&1 &
   pids+=($!)
-  VLLM_DSA_DBO_DISABLE=$disable VLLM_DSA_DBO_CHECK=$check setsid "${run[@]}" --headless \
-    --data-parallel-start-rank 1 > "$out/$name.rank1.log" 2>&1 &
+  "${run[@]}" --headless --data-parallel-start-rank 1 > "$out/$name.rank1.log" 2>&1 &
   pids+=($!)
   healthy "$name" || { stop; return 1; }
   mkdir -p "$out/$name"

@@ -407,6 +407,8 @@ def _count_microbatched_steps() -> None:
 
     from vllm.logger import init_logger
 
+    from vllm_dsa_dbo.diagnostics import isolation
+
     logger = init_logger("vllm.dsa_dbo_harness")
     measure = os.environ.get(MEASURE_ENV) == "1"
     log_every = int(os.environ.get(LOG_EVERY_ENV, "50"))
@@ -419,8 +421,6 @@ def _count_microbatched_steps() -> None:
         COUNTS["ubatched_calls"] += 1
         calls = COUNTS["ubatched_calls"]
         if calls == 1 or calls % log_every == 0:
-            from vllm_dsa_dbo.diagnostics import isolation
-
             checker = isolation.CHECKER
             checked = (
                 ""

@@ -5,8 +5,8 @@ and asks for that one; the answer repeats the fact and ends `#### N`, so
 lm_eval's GSM8K filters score it. The value is stated once, anywhere in the
 prompt: a layer that attends to the wrong tokens loses it. One value among
 names, not a value per name: binding names to values is what a model this
-small learns far too slowly (a llama of the same width had not started after
-300 steps with three values, and copied the one value perfectly after 275).
+small learns far too slowly (a llama of the same width had not started by
+step 275 with three values, and copied the one value perfectly from step 275).
 
     python -m dsa_dbo_harness.lookup_task validation/kv_lookup   # test.jsonl
 """
@@ -45,20 +45,15 @@ VALUES = range(10, 100)
 FACT = re.compile(r"(\w+) has (\d+) coins\.")
 
 
-def ask(name: str) -> str:
-    return f"How many coins does {name} have?"
-
-
-def reply(name: str, value: int | str) -> str:
-    """The answer in GSM8K's format: the fact again, then `#### value`."""
-    return f"{name} has {value} coins.\n#### {value}"
-
-
 def make_doc(rng: random.Random, facts: tuple[int, int] = TEST_FACTS) -> dict:
     people = rng.sample(NAMES, rng.randint(*facts))
     target, value = rng.choice(people), rng.choice(VALUES)
     facts = " ".join(f"{name} has {value if name == target else 'no'} coins." for name in people)
-    return {"question": f"{facts} {ask(target)}", "answer": reply(target, value)}
+    return {
+        "question": f"{facts} How many coins does {target} have?",
+        # GSM8K's answer format: the fact again, then `#### value`.
+        "answer": f"{target} has {value} coins.\n#### {value}",
+    }
 
 
 def docs(seed: int, facts: tuple[int, int]) -> Iterator[dict]:
