@@ -7,6 +7,7 @@ records, and the order they go on comes from their `requires`: no list is kept b
 from __future__ import annotations
 
 import functools
+import graphlib
 import importlib
 import pkgutil
 from collections.abc import Iterable
@@ -50,17 +51,8 @@ CARRIED: dict[str, str] = {}
 def fix_patches() -> tuple[Patch, ...]:
     """The fix's patches, each after those it requires."""
     records = {name: importlib.import_module(f"{__name__}.{name}").PATCH for name in NAMES}
-    ordered: dict[str, Patch] = {}
-
-    def add(name: str) -> None:
-        if name not in ordered:
-            for required in records[name].requires:
-                add(required)
-            ordered[name] = records[name]
-
-    for name in records:
-        add(name)
-    return tuple(ordered.values())
+    graph = graphlib.TopologicalSorter({name: p.requires for name, p in records.items()})
+    return tuple(records[name] for name in graph.static_order())
 
 
 def applied(target: ModuleType) -> tuple[str, ...]:
