@@ -16,10 +16,12 @@
 # tree is 23 MB with the checkpoint, and tree plus chunk must stay under 64 MiB), with .whl carried
 # (the wheels of validation/lm_eval-wheels.txt and transformers 5.20.2; installed into /tmp/site):
 #   bash validation/device_setup.sh && bash validation/serve_table.sh $OUT/ht ht off_a stock
-# OUTDIR.tgz holds summary.md, each process's log and each arm's lm_eval output. Afterwards,
+# OUTDIR.tgz holds summary.md, each process's log and each arm's lm_eval output; it is rewritten
+# after every arm, and an arm that would start after SERVE_TABLE_BUDGET_S seconds (if set) is
+# skipped, so a call cut at its limit still brings back the arms it finished. Afterwards,
 # anywhere: `vllm-dsa-dbo ab off_a stock fix ... --task kv_lookup` in the unpacked folder.
 set -uo pipefail
-out="$(realpath -m "${1:?usage: serve_table.sh OUTDIR ht|ll ARM...}")" mode="${2:?ht or ll}"
+tgz="$(realpath -m "${1:?usage: serve_table.sh OUTDIR ht|ll ARM...}").tgz" mode="${2:?ht or ll}"
 shift 2
 cd "$(dirname "$0")/.."
 . /tmp/gpu/env.sh
@@ -31,7 +33,8 @@ export VLLM_DSA_DBO_HARNESS=1 VLLM_DSA_DBO_HARNESS_GATES=0 VLLM_DSA_DBO_HARNESS_
   VLLM_DBO_COMM_SMS=0 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_USE_DEEP_GEMM=0 VLLM_MOE_USE_DEEP_GEMM=0 \
   CUDA_VISIBLE_DEVICES=0 NCCL_MULTI_RANK_GPU_ENABLE=1 \
   HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HOME=/tmp/dsa-dbo-serve/hf TOKENIZERS_PARALLELISM=false
-mkdir -p "$out"
+out=/tmp/dsa-dbo-serve/out/$(basename "$tgz" .tgz)
+rm -rf "$out" && mkdir -p "$out" "$(dirname "$tgz")"
 exec > >(tee "$out/summary.md") 2>&1
 
 models=/tmp/dsa-dbo-serve/$mode
@@ -118,6 +121,12 @@ arm() {  # ARM: serve, evaluate, stop
   done
 }
 
-for name in "$@"; do arm "$name"; done
+for name in "$@"; do
+  if [ -n "${SERVE_TABLE_BUDGET_S:-}" ] && [ $((SECONDS + 170)) -gt "$SERVE_TABLE_BUDGET_S" ]; then
+    echo "## $name: skipped, $SECONDS s of $SERVE_TABLE_BUDGET_S s gone"; continue
+  fi
+  arm "$name"
+  tar -czf "$tgz" -C "$(dirname "$out")" "$(basename "$out")"
+done
 echo "total $SECONDS s"
-tar -czf "$out.tgz" -C "$(dirname "$out")" "$(basename "$out")" && rm -rf "$out"
+tar -czf "$tgz" -C "$(dirname "$out")" "$(basename "$out")"
