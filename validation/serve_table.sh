@@ -9,9 +9,11 @@
 #   stock_check fix_check     the same with VLLM_DSA_DBO_CHECK=audit, for the checker's counts
 #   f1_off f1_stock           the same weights at index_topk_freq=1 (`trained control`)
 #   validation/serve_table.sh OUTDIR ht|ll ARM...
-#     ht: deepep_high_throughput, eager, fp8 KV cache, prefix caching; the model as trained
-#     ll: deepep_low_latency, FULL_DECODE_ONLY CUDA graphs, fp8 KV cache; the model widened to
-#         hidden 2048 (`trained widen`: DeepEP's low-latency kernels take 2048-8192)
+#     ht: deepep_high_throughput, eager, fp8 KV cache, prefix caching
+#     ll: deepep_low_latency, FULL_DECODE_ONLY CUDA graphs, fp8 KV cache
+#   Both serve the model widened to hidden 2048 (`trained widen`): DeepEP's low-latency kernels
+#   take 2048-8192, and with high throughput vLLM 0.33.0 pads the MoE input to 256 columns but not
+#   the router's 128-wide weight ("mat1 and mat2 shapes cannot be multiplied (4096x256 and 128x8)").
 # On the device, from the repo root, after ../shared/gpu's bundle (`GPU_PACK_CHUNK_MB=38 pack`: the
 # tree is 23 MB with the checkpoint, and tree plus chunk must stay under 64 MiB), with .whl carried
 # (the wheels of validation/lm_eval-wheels.txt and transformers 5.20.2; installed into /tmp/site):
@@ -42,18 +44,19 @@ mkdir -p "$models"
 freq4=$models/freq4 freq1=$models/freq1
 case "$mode" in
   ht) backend=deepep_high_throughput
-      flags=(--enforce-eager --kv-cache-dtype fp8 --enable-prefix-caching)
-      freq4=$PWD/validation/kv_lookup/model ;;
+      flags=(--enforce-eager --kv-cache-dtype fp8 --enable-prefix-caching) ;;
   ll) backend=deepep_low_latency
       flags=(--kv-cache-dtype fp8 --no-enable-prefix-caching --compilation-config
         '{"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [4, 8, 16, 32]}')
-      export NVSHMEM_QP_DEPTH=8200
-      [ -d "$freq4" ] || PYTHONPATH=$site python3 -m dsa_dbo_harness.trained widen \
-        validation/kv_lookup/model "$freq4" || exit 1 ;;
+      export NVSHMEM_QP_DEPTH=8200 ;;
   *) echo "mode: ht or ll, not $mode"; exit 2 ;;
 esac
-[ -d "$freq1" ] || PYTHONPATH=$site python3 -m dsa_dbo_harness.trained control \
-  "$freq4" "$freq1" || exit 1
+[ -d "$freq4" ] || PYTHONPATH=$site python3 -m dsa_dbo_harness.trained widen \
+  validation/kv_lookup/model "$freq4" || exit 1
+case " $* " in *" f1_"*)
+  [ -d "$freq1" ] || PYTHONPATH=$site python3 -m dsa_dbo_harness.trained control \
+    "$freq4" "$freq1" || exit 1 ;;
+esac
 common=(--data-parallel-size 2 --data-parallel-size-local 1 --data-parallel-address 127.0.0.1
   --data-parallel-rpc-port 13345 --enable-expert-parallel --all2all-backend "$backend"
   --attention-backend FLASHMLA_SPARSE --block-size 64 --max-model-len 1024 --max-num-seqs 64
@@ -99,7 +102,7 @@ arm() {  # ARM: serve, evaluate, stop
     *) echo "unknown arm $name"; return 1 ;;
   esac
   echo "## $name"
-  local t0=$SECONDS run=(setsid env VLLM_DSA_DBO_DISABLE="$disable" VLLM_DSA_DBO_CHECK="$check"
+  local t0=$SECONDS run=(setsid env PYTHONPATH="$site" VLLM_DSA_DBO_DISABLE="$disable" VLLM_DSA_DBO_CHECK="$check"
     python3 -m vllm.entrypoints.cli.main serve "$model" "${common[@]}" "${extra[@]}")
   "${run[@]}" --port $port --host 127.0.0.1 --disable-uvicorn-access-log > "$out/$name.rank0.log" 2>&1 &
   pids+=($!)
@@ -119,13 +122,14 @@ arm() {  # ARM: serve, evaluate, stop
       "$(grep -h 'dsa_dbo_harness: ' "$out/$name.rank$rank.log" | tail -n 1 | sed 's/.*dsa_dbo_harness: //')"
     grep -hE 'Traceback|Error' "$out/$name.rank$rank.log" | tail -n 3
   done
+  return 0
 }
 
 for name in "$@"; do
   if [ -n "${SERVE_TABLE_BUDGET_S:-}" ] && [ $((SECONDS + 170)) -gt "$SERVE_TABLE_BUDGET_S" ]; then
     echo "## $name: skipped, $SECONDS s of $SERVE_TABLE_BUDGET_S s gone"; continue
   fi
-  arm "$name"
+  arm "$name" || { echo "## stopping: $name did not start, and the next arms would not either"; break; }
   tar -czf "$tgz" -C "$(dirname "$out")" "$(basename "$out")"
 done
 echo "total $SECONDS s"

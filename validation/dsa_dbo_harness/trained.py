@@ -74,6 +74,9 @@ CONFIG = {
     "num_experts_per_tok": 2,
     "n_group": 1,
     "topk_group": 1,
+    # transformers' router (sigmoid scores plus a correction bias); vLLM builds it from these two.
+    "topk_method": "noaux_tc",
+    "scoring_func": "sigmoid",
     "norm_topk_prob": True,
     "routed_scaling_factor": 2.5,
     "rms_norm_eps": 1e-05,
