@@ -104,13 +104,13 @@ arm() {  # ARM: serve, evaluate, stop
   echo "## $name"
   local t0=$SECONDS run=(setsid env PYTHONPATH="$site" VLLM_DSA_DBO_DISABLE="$disable" VLLM_DSA_DBO_CHECK="$check"
     python3 -m vllm.entrypoints.cli.main serve "$model" "${common[@]}" "${extra[@]}")
-  "${run[@]}" --port $port --host 127.0.0.1 --disable-uvicorn-access-log > "$out/$name.rank0.log" 2>&1 &
+  "${run[@]}" --port $port --host 127.0.0.1 --api-server-count 1 --disable-uvicorn-access-log > "$out/$name.rank0.log" 2>&1 &
   pids+=($!)
   "${run[@]}" --headless --data-parallel-start-rank 1 > "$out/$name.rank1.log" 2>&1 &
   pids+=($!)
   healthy "$name" || { stop; return 1; }
   mkdir -p "$out/$name"
-  PYTHONPATH=/tmp/site timeout 240 python3 -m lm_eval --model local-completions \
+  PYTHONPATH=$site timeout 240 python3 -m lm_eval --model local-completions \
     --model_args "model=$model,base_url=http://127.0.0.1:$port/v1/completions,num_concurrent=64,tokenized_requests=False,tokenizer_backend=huggingface,max_retries=1" \
     --tasks kv_lookup --include_path validation/kv_lookup --log_samples \
     --output_path "$out/$name" --seed 0 > "$out/$name/lm_eval.log" 2>&1
