@@ -134,7 +134,7 @@ def test_the_answer_needs_the_followers_attention(model):
     assert value_accuracy(model, blind=tuple(followers)) <= 0.2
 
 
-def test_vllm_reads_the_same_leaders_as_transformers():
+def test_vllm_reads_the_checkpoint_as_transformers_does():
     from safetensors import safe_open
 
     saved = json.loads((MODEL / "config.json").read_text())
@@ -143,8 +143,15 @@ def test_vllm_reads_the_same_leaders_as_transformers():
     assert leaders == [True, True, True, False, False, False, True, False]
     assert [kind == "full" for kind in saved["indexer_types"]] == leaders
     with safe_open(MODEL / "model.safetensors", "pt") as weights:
-        indexed = {int(k.split(".")[2]) for k in weights.keys() if ".indexer." in k}
-    assert indexed == {i for i, leads in enumerate(leaders) if leads}
+        names = list(weights.keys())
+    assert {int(k.split(".")[2]) for k in names if ".indexer." in k} == {
+        i for i, leads in enumerate(leaders) if leads
+    }
+    # vLLM's DeepseekV2MoE gives the router a correction bias only for noaux_tc, and scores
+    # with softmax unless told otherwise; transformers' router has the bias and uses sigmoid.
+    biased = {int(k.split(".")[2]) for k in names if k.endswith("gate.e_score_correction_bias")}
+    assert biased == set(range(saved["first_k_dense_replace"], saved["num_hidden_layers"]))
+    assert saved["topk_method"] == "noaux_tc" and saved["scoring_func"] == "sigmoid"
 
 
 def test_widen_keeps_the_function(tmp_path, model):
