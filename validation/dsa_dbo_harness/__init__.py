@@ -416,6 +416,7 @@ def _count_microbatched_steps() -> None:
     def __call__(self, *args, **kwargs):
         from vllm.forward_context import get_forward_context
 
+        COUNTS["calls"] += 1
         if get_forward_context().ubatch_slices is None:
             return stock_call(self, *args, **kwargs)
         COUNTS["ubatched_calls"] += 1
@@ -428,7 +429,9 @@ def _count_microbatched_steps() -> None:
                 else f"; checker {checker.checked_reads} reads, "
                 f"{sum(checker.violations.values())} bad"
             )
-            logger.info("dsa_dbo_harness: %d microbatched forwards%s", calls, checked)
+            logger.info(
+                "dsa_dbo_harness: %d microbatched forwards of %d%s", calls, COUNTS["calls"], checked
+            )
         if measure and MEASURED["from_call"] is not None:
             return _measured(lambda: stock_call(self, *args, **kwargs))
         return stock_call(self, *args, **kwargs)
