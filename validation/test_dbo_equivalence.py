@@ -20,13 +20,16 @@ from pathlib import Path
 
 import pytest
 
-from vllm_dsa_dbo.ab import Comparison, compare, load_runs, load_samples, samples_file
+from dsa_dbo_harness.trained import ANSWER
+from vllm_dsa_dbo.ab import Comparison, compare, load_runs, read_text, samples_file
 
 TASK, FILTER = "kv_lookup", "strict-match"
 # transformers' greedy answers to the same 500 questions (validation/results).
 TRANSFORMERS = Path(__file__).parent / "results" / "2026-12-02-trained-model" / "answers_gpu.jsonl"
-# The issue's bars until a measured table sets them: answers identical to the first DBO-off
-# run, for vLLM against transformers, DBO off twice and the fix; and what stock must lose.
+# The issue's bars until a measured table sets them: answers (the `#### N` lm_eval grades)
+# equal to the first DBO-off run's, for vLLM against transformers, DBO off twice and the fix;
+# and what stock must lose. Answers, not whole completions: the model states the value it
+# found confidently, but not always the name it was asked about (the name is not graded).
 FLOOR = 0.97
 STOCK_LOSS = 0.10
 # Microbatched forwards each DBO worker must log for its arm to count as DBO at all.
@@ -74,20 +77,27 @@ def harness_counts(table: Path, name: str) -> list[tuple[int, int | None, int | 
     return counts
 
 
+def answers(table: Path, name: str) -> dict[int, str]:
+    """Per question, the answer lm_eval's strict-match filter took from `name`'s completion."""
+    rows = map(json.loads, read_text(samples_file(arm(table, name), TASK)).splitlines())
+    return {row["doc_id"]: row["filtered_resps"][0] for row in rows if row["filter"] == FILTER}
+
+
+def agreeing(run: dict[int, str], reference: dict[int, str]) -> int:
+    assert run.keys() == reference.keys()
+    return sum(run[q] == reference[q] for q in reference)
+
+
 def test_vllm_answers_as_transformers(table):
-    run = load_samples(samples_file(arm(table, "off_a"), TASK), "off_a", "exact_match")
-    reference = {
-        row["doc_id"]: row["completion"]
-        for row in map(json.loads, TRANSFORMERS.read_text().splitlines())
-    }
-    assert run.responses.keys() == reference.keys()
-    same = sum(run.responses[q][0][0].strip() == reference[q].strip() for q in reference)
+    completions = map(json.loads, TRANSFORMERS.read_text().splitlines())
+    reference = {row["doc_id"]: ANSWER.search(row["completion"]).group(1) for row in completions}
+    same = agreeing(answers(table, "off_a"), reference)
     assert same >= FLOOR * len(reference), f"{same} of {len(reference)} as transformers"
 
 
 def test_dbo_off_twice_is_the_floor(table):
-    _, row = against_off(table, "off_b")
-    assert row.identical >= FLOOR * row.questions, row
+    reference = answers(table, "off_a")
+    assert agreeing(answers(table, "off_b"), reference) >= FLOOR * len(reference)
 
 
 @pytest.mark.parametrize("name", ["stock", "fix"])
@@ -97,8 +107,9 @@ def test_dbo_arms_microbatch(table, name):
 
 
 def test_the_fix_stays_within_the_floor(table):
+    reference = answers(table, "off_a")
+    assert agreeing(answers(table, "fix"), reference) >= FLOOR * len(reference)
     _, row = against_off(table, "fix")
-    assert row.identical >= FLOOR * row.questions, row
     assert row.mcnemar_p >= 0.05, row
 
 
