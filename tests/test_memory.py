@@ -7,7 +7,10 @@ import json
 
 import pytest
 import torch
-from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroupBuilder
+from vllm.v1.attention.backends.mla.index_group import (
+    SparseMLAIndexGroup,
+    SparseMLAIndexGroupBuilder,
+)
 
 from vllm_dsa_dbo.diagnostics.layout import (
     groups_with_followers,
@@ -27,12 +30,14 @@ def glm5_leaders(num_layers: int, freq: int, offset: int) -> list[bool]:
     )
 
 
-def build(leaders: list[bool], num_ubatches: int) -> SparseMLAIndexGroupBuilder:
+def build(
+    leaders: list[bool], num_ubatches: int
+) -> tuple[SparseMLAIndexGroupBuilder, list[SparseMLAIndexGroup]]:
+    """The builder, and the groups it gave per-microbatch copies of their state."""
     buffer = torch.empty(MAX_NUM_BATCHED_TOKENS, INDEX_TOPK, dtype=torch.int32)
     builder = SparseMLAIndexGroupBuilder(buffer, MAX_DECODE_ROWS, num_ubatches=num_ubatches)
-    for leads in leaders:
-        builder.register_layer(leads)
-    return builder
+    groups = {id(g): g for g, _ in (builder.register_layer(leads) for leads in leaders)}
+    return builder, [g for g in groups.values() if g.ubatch_topk_states]
 
 
 @pytest.mark.parametrize(
@@ -44,8 +49,8 @@ def test_allocated_bytes_match_formula(
     fake_gpu, num_layers, freq, offset, expected_groups, num_ubatches
 ):
     leaders = glm5_leaders(num_layers, freq, offset)
-    builder = build(leaders, num_ubatches)
-    g = len(builder.follower_groups)
+    _, copied = build(leaders, num_ubatches)
+    g = len(copied)
     assert g == expected_groups == groups_with_followers(leaders)
 
     extra = num_ubatches - 1
@@ -53,8 +58,8 @@ def test_allocated_bytes_match_formula(
     if g == 0:
         index_bytes = 0
     count_bytes = g * (MAX_DECODE_ROWS + 1) * 4
-    assert ubatch_topk_bytes(builder.follower_groups) == extra * (index_bytes + count_bytes)
-    assert ubatch_topk_bytes(builder.follower_groups) == extra * ubatch_topk_bytes_per_extra_ubatch(
+    assert ubatch_topk_bytes(copied) == extra * (index_bytes + count_bytes)
+    assert ubatch_topk_bytes(copied) == extra * ubatch_topk_bytes_per_extra_ubatch(
         max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
         max_decode_rows=MAX_DECODE_ROWS,
         index_topk=INDEX_TOPK,
@@ -75,8 +80,8 @@ def test_glm53_geometry_is_216_mib():
 
 
 def test_no_dbo_allocates_nothing(fake_gpu):
-    builder = build(glm5_leaders(78, 4, 3), num_ubatches=1)
-    assert builder.follower_groups == []
+    builder, copied = build(glm5_leaders(78, 4, 3), num_ubatches=1)
+    assert copied == []
     assert builder.ubatch_logical_topk.buffers == ()
 
 

@@ -137,7 +137,6 @@ def init_builder_state(builder: SparseMLAIndexGroupBuilder, num_ubatches: int) -
         raise ValueError(f"num_ubatches must be >= 1, got {num_ubatches}")
     builder.num_ubatches = num_ubatches
     builder.ubatch_logical_topk = UbatchLogicalTopk(builder.logical_topk_indices, num_ubatches)
-    builder.follower_groups = []
 
 
 def add_layer_state(
@@ -151,7 +150,6 @@ def add_layer_state(
     elif layer_index == 1 and builder.num_ubatches > 1:
         extra = range(builder.num_ubatches - 1)
         group.ubatch_topk_states = tuple(UbatchTopkState.like(group) for _ in extra)
-        builder.follower_groups.append(group)
         builder.ubatch_logical_topk.allocate()
 
 
