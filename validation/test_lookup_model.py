@@ -17,6 +17,7 @@ from dsa_dbo_harness.trained import (
     control,
     exact_match,
     prompt,
+    train,
     widen,
     write_lookup_tokenizer,
 )
@@ -90,6 +91,16 @@ def test_training_grades_only_the_answer(tokenizer_dir):
         ((name, value),) = FACT.findall(text.split("Answer:")[0])
         answer_ids = [t for t, g in zip(row, graded) if g != -100]
         assert tokenizer.decode(answer_ids) == f" {name} has {value} coins.\n#### {value}</s>"
+
+
+def test_the_same_command_trains_the_same_checkpoint(tmp_path):
+    try:
+        for run in ("a", "b"):
+            train(tmp_path / run, steps=2, batch_size=2, lr=1e-3)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for name in ("model.safetensors", "config.json", "tokenizer.json"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
 
 
 def test_checkpoint_answers_held_out_questions():
