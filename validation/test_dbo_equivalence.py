@@ -2,7 +2,8 @@
 served by `validation/serve_table.sh` under DBO on DeepEP, scored by lm_eval. DBO off twice
 is the floor; the fix stays within it, and stock DBO loses answers.
 
-    bash validation/serve_table.sh /tmp/t/ht ht off_a off_b stock fix stock_check fix_check
+    bash validation/serve_table.sh /tmp/t/ht ht off_a off_b stock fix stock_check fix_check \
+      f1_off f1_stock
     DSA_DBO_TABLE=/tmp/t/ht.tgz pytest validation/test_dbo_equivalence.py
 
 The serving is the GPU part (about 2-3 minutes an arm on one H200); these tests read what it
@@ -117,6 +118,12 @@ def test_stock_dbo_loses_answers(table):
     off, row = against_off(table, "stock")
     assert row.accuracy <= off.accuracy - STOCK_LOSS, (off, row)
     assert row.mcnemar_p < 0.001, row
+
+
+def test_without_shared_top_k_stock_dbo_stays_within_the_floor(table):
+    """The control: the same weights at index_topk_freq=1, where no layer reads another's."""
+    reference = answers(table, "f1_off")
+    assert agreeing(answers(table, "f1_stock"), reference) >= FLOOR * len(reference)
 
 
 def test_the_checker_sees_bad_reads_only_without_the_fix(table):
