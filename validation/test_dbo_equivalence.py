@@ -7,8 +7,9 @@ is the floor; the fix stays within it, and stock DBO loses answers.
     DSA_DBO_TABLE=/tmp/t/ht.tgz pytest validation/test_dbo_equivalence.py
 
 The serving is the GPU part (about 2-3 minutes an arm on one H200); these tests read what it
-wrote (OUTDIR.tgz or the folder it unpacks to) and are skipped without DSA_DBO_TABLE. An arm
-the table lacks skips the tests that need it. Kept out of tests/: CI has no GPU to make a table.
+wrote (OUTDIR.tgz or the folder it unpacks to; several, separated by `:`, when the arms ran in
+several calls) and are skipped without DSA_DBO_TABLE. An arm the table lacks skips the tests
+that need it. Kept out of tests/: CI has no GPU to make a table.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import tarfile
 from pathlib import Path
 
@@ -42,16 +44,19 @@ HARNESS_LINE = re.compile(
 
 @pytest.fixture(scope="module")
 def table(tmp_path_factory) -> Path:
+    """One folder of arms from every serve_table.sh output DSA_DBO_TABLE names."""
     given = os.environ.get("DSA_DBO_TABLE")
     if not given:
         pytest.skip("DSA_DBO_TABLE names no serve_table.sh output")
-    path = Path(given)
-    if path.is_file():
-        with tarfile.open(path) as archive:
-            unpacked = tmp_path_factory.mktemp("table")
-            archive.extractall(unpacked, filter="data")
-        (path,) = unpacked.iterdir()
-    return path
+    merged = tmp_path_factory.mktemp("table")
+    for path in map(Path, given.split(os.pathsep)):
+        if path.is_file():
+            with tarfile.open(path) as archive:
+                unpacked = tmp_path_factory.mktemp("unpacked")
+                archive.extractall(unpacked, filter="data")
+            (path,) = unpacked.iterdir()
+        shutil.copytree(path, merged, dirs_exist_ok=True)
+    return merged
 
 
 def arm(table: Path, name: str) -> Path:
