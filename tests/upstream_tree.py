@@ -49,16 +49,9 @@ def installed_vllm() -> Path:
 def extract_tree(sdist: Path, dest: Path) -> Path:
     """The sdist's sources under `dest`, with the installed vLLM's other files linked in."""
     root = dest / f"vllm-{vllm_sdist.VERSION}"
-    prefix = f"{root.name}/"
     with tarfile.open(sdist) as tar:
         # Each member as its header is read: one pass through the archive.
-        members = (
-            m
-            for m in tar
-            if m.name.startswith((f"{prefix}vllm/", f"{prefix}tests/"))
-            or (m.name.count("/") == 1 and m.isfile())
-        )
-        tar.extractall(dest, members=members, filter="data")
+        tar.extractall(dest, members=(m for m in tar if vllm_sdist.in_tree(m)), filter="data")
     link_installed(installed_vllm(), root / "vllm")
     return root
 

@@ -5,6 +5,7 @@ the file itself is fetched through pip's configured index (its simple API),
 checked against the sha256 the index gives, and cached.
 
     python tests/vllm_sdist.py fetch [DIR]      # fetch into DIR (else the cache), print the path
+    python tests/vllm_sdist.py trim DIR         # only what a source tree needs, into DIR
     python tests/vllm_sdist.py run PYTEST_ARGS  # run vLLM's tests stock and with the plugin
 
 `run` takes the sdist from $VLLM_DSA_DBO_SDIST, else the cache (fetching it),
@@ -107,6 +108,26 @@ def fetch(cache: Path = CACHE) -> Path:
     return path
 
 
+def in_tree(member: tarfile.TarInfo) -> bool:
+    """An sdist member a runnable source tree takes: `vllm/`, `tests/` and the top-level files."""
+    top = f"vllm-{VERSION}/"
+    return member.name.startswith((f"{top}vllm/", f"{top}tests/")) or (
+        member.name.count("/") == 1 and member.isfile()
+    )
+
+
+def trim(dest: Path) -> Path:
+    """The sdist with only what `in_tree` takes, as `dest/SDIST`: small enough (about half) to
+    travel to the GPU machine beside this repository."""
+    dest.mkdir(parents=True, exist_ok=True)
+    out = dest / SDIST
+    with tarfile.open(fetch()) as src, tarfile.open(out, "w:gz") as dst:
+        for member in src:
+            if in_tree(member):
+                dst.addfile(member, src.extractfile(member) if member.isfile() else None)
+    return out
+
+
 def extract_tests(sdist: Path, dest: Path) -> Path:
     """vLLM's `tests/` tree from `sdist`, under `dest`; returns its parent."""
     root = dest / f"vllm-{VERSION}"
@@ -180,6 +201,9 @@ def compare(root: Path, args: list[str], workers: int) -> dict[str, tuple[str, d
 def main(argv: list[str]) -> int:
     if argv[:1] == ["fetch"] and len(argv) <= 2:
         print(fetch(Path(argv[1]) if len(argv) > 1 else CACHE))
+        return 0
+    if argv[:1] == ["trim"] and len(argv) == 2:
+        print(trim(Path(argv[1])))
         return 0
     if argv[:1] != ["run"] or len(argv) < 2:
         print(__doc__, file=sys.stderr)

@@ -3,8 +3,9 @@
 # through `vllm-dsa-dbo upstream-patch`: both summaries, whether every test's outcome but the
 # change's own test (in the patched file only) is the same, and that test's outcome
 # (tests/upstream_tree.py).
-# Here, before the tree travels (.vllm-sdist/ is ignored; vLLM's conftest needs tblib):
-#   python tests/vllm_sdist.py fetch .vllm-sdist && pip download --no-deps -d .vllm-sdist tblib
+# Here, before the tree travels (.vllm-sdist/ is ignored; vLLM's conftest needs tblib; the whole
+# sdist, 47 MB, does not fit beside the repository in one call, its trees' part, 17 MB, does):
+#   python tests/vllm_sdist.py trim .vllm-sdist && pip download --no-deps -d .vllm-sdist tblib
 # On the GPU machine (carry .vllm-sdist):
 #   validation/upstream_tests.sh [PYTEST_ARGS]
 # PYTEST_ARGS default to vLLM's whole test_sparse_mla_backends.py. VLLM_DSA_DBO_SDIST names the sdist (default .vllm-sdist/vllm-0.33.0.tar.gz here);
