@@ -96,7 +96,8 @@ def agreeing(run: dict[int, str], reference: dict[int, str]) -> int:
 
 def test_vllm_answers_as_transformers(table):
     completions = map(json.loads, TRANSFORMERS.read_text().splitlines())
-    reference = {row["doc_id"]: ANSWER.search(row["completion"]).group(1) for row in completions}
+    found = {row["doc_id"]: ANSWER.search(row["completion"]) for row in completions}
+    reference = {q: m.group(1) if m else "[invalid]" for q, m in found.items()}  # as lm_eval
     same = agreeing(answers(table, "off_a"), reference)
     assert same >= FLOOR * len(reference), f"{same} of {len(reference)} as transformers"
 
@@ -132,7 +133,8 @@ def test_without_shared_top_k_stock_dbo_stays_within_the_floor(table):
 
 
 def test_the_checker_sees_bad_reads_only_without_the_fix(table):
-    arm(table, "stock_check"), arm(table, "fix_check")
+    arm(table, "stock_check")
+    arm(table, "fix_check")
     stock, fix = harness_counts(table, "stock_check"), harness_counts(table, "fix_check")
     assert all(reads and bad == 0 for _, reads, bad in fix), fix
     assert all(reads and bad for _, reads, bad in stock), stock
