@@ -23,7 +23,8 @@
 # OUTDIR.tgz holds summary.md, each process's log and each arm's lm_eval output; it is rewritten
 # after every arm, and an arm that would start after SERVE_TABLE_BUDGET_S seconds (if set) is
 # skipped, so a call cut at its limit still brings back the arms it finished. Afterwards,
-# anywhere: `vllm-dsa-dbo ab off_a stock fix ... --task kv_lookup` in the unpacked folder, and
+# anywhere: `python -m dsa_dbo_harness.serve_report OUTDIR.tgz[:OUTDIR2.tgz]` for the table (in
+# validation/), `vllm-dsa-dbo ab off_a stock fix ... --task kv_lookup` in the unpacked folder, and
 # `DSA_DBO_TABLE=OUTDIR.tgz pytest validation/test_dbo_equivalence.py` for the bars it must meet.
 set -uo pipefail
 tgz="$(realpath -m "${1:?usage: serve_table.sh OUTDIR ht|ll ARM...}").tgz" mode="${2:?ht or ll}"

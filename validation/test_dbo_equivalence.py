@@ -16,17 +16,21 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import shutil
-import tarfile
 from pathlib import Path
 
 import pytest
 
+from dsa_dbo_harness.serve_report import (
+    FILTER,
+    TASK,
+    agreeing,
+    answers,
+    harness_counts,
+    merge,
+)
 from dsa_dbo_harness.trained import ANSWER
-from vllm_dsa_dbo.ab import Comparison, compare, load_runs, read_text, samples_file
+from vllm_dsa_dbo.ab import Comparison, compare, load_runs
 
-TASK, FILTER = "kv_lookup", "strict-match"
 # transformers' greedy answers to the same 500 questions (validation/results).
 TRANSFORMERS = Path(__file__).parent / "results" / "2026-12-02-trained-model" / "answers_gpu.jsonl"
 # The issue's bars until a measured table sets them: answers (the `#### N` lm_eval grades)
@@ -37,85 +41,56 @@ FLOOR = 0.97
 STOCK_LOSS = 0.10
 # Microbatched forwards each DBO worker must log for its arm to count as DBO at all.
 MIN_MICROBATCHED = 20
-HARNESS_LINE = re.compile(
-    r"dsa_dbo_harness: (\d+) microbatched forwards(?: of \d+)?(?:; checker (\d+) reads, (\d+) bad)?"
-)
 
 
 @pytest.fixture(scope="module")
 def table(tmp_path_factory) -> Path:
-    """One folder of arms from every serve_table.sh output DSA_DBO_TABLE names."""
     given = os.environ.get("DSA_DBO_TABLE")
     if not given:
         pytest.skip("DSA_DBO_TABLE names no serve_table.sh output")
-    merged = tmp_path_factory.mktemp("table")
-    for path in map(Path, given.split(os.pathsep)):
-        if path.is_file():
-            with tarfile.open(path) as archive:
-                unpacked = tmp_path_factory.mktemp("unpacked")
-                archive.extractall(unpacked, filter="data")
-            (path,) = unpacked.iterdir()
-        shutil.copytree(path, merged, dirs_exist_ok=True)
-    return merged
+    return merge(given, tmp_path_factory.mktemp("merged") / "table")
 
 
-def arm(table: Path, name: str) -> Path:
+def arm(table: Path, name: str) -> str:
     if not (table / name).is_dir():
         pytest.skip(f"the table has no {name} arm")
-    return table / name
+    return name
 
 
 def against_off(table: Path, name: str) -> tuple[Comparison, Comparison]:
     """off_a, the reference, and `name` against it, on the strict-match filter."""
-    runs = load_runs([arm(table, "off_a"), arm(table, name)], TASK, "exact_match")
+    runs = load_runs([table / arm(table, "off_a"), table / arm(table, name)], TASK, "exact_match")
     reference, row = [r for r in compare(runs) if r.filter == FILTER]
     return reference, row
 
 
-def harness_counts(table: Path, name: str) -> list[tuple[int, int | None, int | None]]:
-    """Per rank, the last (microbatched forwards, checked reads, bad reads) its worker logged."""
-    counts = []
-    for rank in (0, 1):
-        found = HARNESS_LINE.findall((table / f"{name}.rank{rank}.log").read_text())
-        assert found, f"{name} rank {rank}: its worker logged no microbatched forward"
-        forwards, reads, bad = found[-1]
-        counts.append((int(forwards), int(reads) if reads else None, int(bad) if bad else None))
-    return counts
-
-
-def answers(table: Path, name: str) -> dict[int, str]:
-    """Per question, the answer lm_eval's strict-match filter took from `name`'s completion."""
-    rows = map(json.loads, read_text(samples_file(arm(table, name), TASK)).splitlines())
-    return {row["doc_id"]: row["filtered_resps"][0] for row in rows if row["filter"] == FILTER}
-
-
-def agreeing(run: dict[int, str], reference: dict[int, str]) -> int:
-    assert run.keys() == reference.keys()
-    return sum(run[q] == reference[q] for q in reference)
+def counts(table: Path, name: str) -> list[tuple[int, int | None, int | None, int | None]]:
+    found = harness_counts(table, arm(table, name))
+    assert len(found) == 2, f"{name}: {2 - len(found)} worker(s) logged no microbatched forward"
+    return found
 
 
 def test_vllm_answers_as_transformers(table):
     completions = map(json.loads, TRANSFORMERS.read_text().splitlines())
     found = {row["doc_id"]: ANSWER.search(row["completion"]) for row in completions}
     reference = {q: m.group(1) if m else "[invalid]" for q, m in found.items()}  # as lm_eval
-    same = agreeing(answers(table, "off_a"), reference)
+    same = agreeing(answers(table, arm(table, "off_a")), reference)
     assert same >= FLOOR * len(reference), f"{same} of {len(reference)} as transformers"
 
 
 def test_dbo_off_twice_is_the_floor(table):
-    reference = answers(table, "off_a")
-    assert agreeing(answers(table, "off_b"), reference) >= FLOOR * len(reference)
+    reference = answers(table, arm(table, "off_a"))
+    assert agreeing(answers(table, arm(table, "off_b")), reference) >= FLOOR * len(reference)
 
 
 @pytest.mark.parametrize("name", ["stock", "fix"])
 def test_dbo_arms_microbatch(table, name):
-    arm(table, name)
-    assert all(forwards >= MIN_MICROBATCHED for forwards, _, _ in harness_counts(table, name))
+    assert all(forwards >= MIN_MICROBATCHED for forwards, *_ in counts(table, name))
 
 
 def test_the_fix_stays_within_the_floor(table):
-    reference = answers(table, "off_a")
-    assert agreeing(answers(table, "fix"), reference) >= FLOOR * len(reference)
+    reference = answers(table, arm(table, "off_a"))
+    assert agreeing(answers(table, arm(table, "fix")), reference) >= FLOOR * len(reference)
     _, row = against_off(table, "fix")
     assert row.mcnemar_p >= 0.05, row
 
@@ -128,13 +103,11 @@ def test_stock_dbo_loses_answers(table):
 
 def test_without_shared_top_k_stock_dbo_stays_within_the_floor(table):
     """The control: the same weights at index_topk_freq=1, where no layer reads another's."""
-    reference = answers(table, "f1_off")
-    assert agreeing(answers(table, "f1_stock"), reference) >= FLOOR * len(reference)
+    reference = answers(table, arm(table, "f1_off"))
+    assert agreeing(answers(table, arm(table, "f1_stock")), reference) >= FLOOR * len(reference)
 
 
 def test_the_checker_sees_bad_reads_only_without_the_fix(table):
-    arm(table, "stock_check")
-    arm(table, "fix_check")
-    stock, fix = harness_counts(table, "stock_check"), harness_counts(table, "fix_check")
-    assert all(reads and bad == 0 for _, reads, bad in fix), fix
-    assert all(reads and bad for _, reads, bad in stock), stock
+    stock, fix = counts(table, "stock_check"), counts(table, "fix_check")
+    assert all(reads and bad == 0 for *_, reads, bad in fix), fix
+    assert all(reads and bad for *_, reads, bad in stock), stock

@@ -1,0 +1,111 @@
+"""What `validation/serve_table.sh` wrote, read back: per arm, lm_eval's graded answers and each
+worker's harness counts; and issue 28's table from them.
+
+    python -m dsa_dbo_harness.serve_report OUTDIR.tgz[:OUTDIR2.tgz ...]
+
+Each arm is compared with its DBO-off run (`off_a`; `f1_off` for the `index_topk_freq=1` arms).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+from vllm_dsa_dbo.ab import compare, load_runs, read_text, samples_file
+
+TASK, FILTER = "kv_lookup", "strict-match"
+ARMS = ("off_a", "off_b", "stock", "fix", "stock_check", "fix_check", "f1_off", "f1_stock")
+HARNESS_LINE = re.compile(
+    r"dsa_dbo_harness: (\d+) microbatched forwards(?: of (\d+))?"
+    r"(?:; checker (\d+) reads, (\d+) bad)?"
+)
+
+
+def merge(outputs: str, into: Path) -> Path:
+    """The arms of every serve_table.sh output in `outputs` (`:`-separated OUTDIR.tgz files or
+    the folders they unpack to) in one folder, `into`."""
+    for path in map(Path, outputs.split(os.pathsep)):
+        if path.is_file():
+            unpacked = Path(tempfile.mkdtemp(dir=into.parent))
+            with tarfile.open(path) as archive:
+                archive.extractall(unpacked, filter="data")
+            (path,) = unpacked.iterdir()
+        shutil.copytree(path, into, dirs_exist_ok=True)
+    return into
+
+
+def reference_of(name: str) -> str:
+    return "f1_off" if name.startswith("f1_") else "off_a"
+
+
+def answers(table: Path, name: str) -> dict[int, str]:
+    """Per question, the answer lm_eval's strict-match filter took from `name`'s completion."""
+    rows = map(json.loads, read_text(samples_file(table / name, TASK)).splitlines())
+    return {row["doc_id"]: row["filtered_resps"][0] for row in rows if row["filter"] == FILTER}
+
+
+def agreeing(run: dict[int, str], reference: dict[int, str]) -> int:
+    """How many of `reference`'s questions `run` answered the same."""
+    assert run.keys() == reference.keys(), "the runs answered different questions"
+    return sum(run[q] == reference[q] for q in reference)
+
+
+def harness_counts(table: Path, name: str) -> list[tuple[int, int | None, int | None, int | None]]:
+    """Per rank, the last (microbatched forwards, forwards, checked reads, bad reads) its worker
+    logged; ranks whose worker logged no microbatched forward are left out."""
+    counts = []
+    for log in (table / f"{name}.rank{rank}.log" for rank in (0, 1)):
+        found = HARNESS_LINE.findall(log.read_text()) if log.is_file() else []
+        if found:
+            counts.append(tuple(int(v) if v else None for v in found[-1]))
+    return counts
+
+
+def report(table: Path) -> str:
+    lines = [
+        "| arm | accuracy ± stderr | answers equal to DBO off | lost / gained | McNemar p "
+        "| microbatched forwards per worker | checker: bad of checked reads per worker |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name in (a for a in ARMS if (table / a).is_dir()):
+        reference = reference_of(name)
+        if name == reference:
+            (row,) = [
+                r
+                for r in compare(load_runs([table / name], TASK, "exact_match"))
+                if r.filter == FILTER
+            ]
+            agree = lost = p = "-"
+        else:
+            runs = load_runs([table / reference, table / name], TASK, "exact_match")
+            _, row = [r for r in compare(runs) if r.filter == FILTER]
+            same = agreeing(answers(table, name), answers(table, reference))
+            agree = f"{same} / {row.questions}"
+            lost, p = f"{row.lost} / {row.gained}", f"{row.mcnemar_p:.3g}"
+        counts = harness_counts(table, name)
+        forwards = ", ".join(f"{m} of {n}" for m, n, _, _ in counts) or "-"
+        checked = ", ".join(f"{b} of {r}" for _, _, r, b in counts if r is not None) or "-"
+        lines.append(
+            f"| {name} | {row.accuracy:.3f} ± {row.stderr:.3f} | {agree} | {lost} | {p} "
+            f"| {forwards} | {checked} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print(__doc__, file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory() as tmp:
+        print(report(merge(argv[0], Path(tmp) / "table")))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
