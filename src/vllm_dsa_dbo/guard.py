@@ -104,13 +104,20 @@ def _at_config_creation() -> Callable[[str], None]:
     return install
 
 
+def takes_vllm_config(build: Callable) -> str | None:
+    """None when `build` takes the `vllm_config` a model-build seam reads, else what differs."""
+    if "vllm_config" in inspect.signature(build).parameters:
+        return None
+    return f"{build.__module__}.{build.__name__} takes no vllm_config parameter"
+
+
 def _at_model_build() -> Callable[[str], None]:
     from vllm.model_executor.model_loader import utils
 
     stock = utils.initialize_model
+    if (differs := takes_vllm_config(stock)) is not None:
+        raise TypeError(differs)
     signature = inspect.signature(stock)
-    if "vllm_config" not in signature.parameters:
-        raise TypeError("initialize_model takes no vllm_config")
 
     def install(why: str) -> None:
         def initialize_model(*args: Any, **kwargs: Any) -> Any:

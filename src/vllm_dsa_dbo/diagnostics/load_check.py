@@ -11,16 +11,8 @@ from types import ModuleType
 from typing import Any
 
 from vllm_dsa_dbo import settings
-from vllm_dsa_dbo.guard import refuse_hisparse
+from vllm_dsa_dbo.guard import refuse_hisparse, takes_vllm_config
 from vllm_dsa_dbo.patches import Patch, replace_function
-
-
-def takes_vllm_config(build: Callable) -> str | None:
-    """None when `build` takes the `vllm_config` the check reads, else what differs."""
-    if "vllm_config" in inspect.signature(build).parameters:
-        return None
-    return f"{build.__module__}.{build.__name__} takes no vllm_config parameter"
-
 
 _building = threading.local()
 
