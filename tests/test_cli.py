@@ -224,6 +224,12 @@ def test_memory_glm53_is_19_groups_216_mib():
     assert "G = 19" in text and "216.2 MiB" in text
 
 
+def copied_groups(stack: SharedTopkStack) -> list:
+    """The stack's index groups, once each, that hold per-microbatch copies of their state."""
+    groups = {id(impl.index_group): impl.index_group for impl in stack.impls}
+    return [g for g in groups.values() if g.ubatch_topk_states]
+
+
 def test_memory_matches_the_builders_allocation(fake_gpu, tmp_path):
     config = {
         "architectures": ["GlmMoeDsaForCausalLM"],
@@ -235,11 +241,7 @@ def test_memory_matches_the_builders_allocation(fake_gpu, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     # The demo stack's builder: 32 batched tokens, 8 decode rows.
     stack = SharedTopkStack(leader_mask(config), num_ubatches=3)
-    copied = [
-        g
-        for g in {id(i.index_group): i.index_group for i in stack.impls}.values()
-        if g.ubatch_topk_states
-    ]
+    copied = copied_groups(stack)
     allocated = ubatch_topk_bytes(copied)
     result = cli(
         "memory",
@@ -585,11 +587,7 @@ def test_startup_line_names_what_was_allocated(fake_gpu):
     stack = SharedTopkStack([True, True, False], num_ubatches=2)
     model = nn.ModuleList([attention_module(impl, stack.buffer) for impl in stack.impls])
     line = describe(model)
-    copied = [
-        g
-        for g in {id(i.index_group): i.index_group for i in stack.impls}.values()
-        if g.ubatch_topk_states
-    ]
+    copied = copied_groups(stack)
     allocated = ubatch_topk_bytes(copied)
     assert line is not None
     assert f"2 microbatches, 1 index groups with followers, {allocated:,} bytes" in line
