@@ -27,20 +27,22 @@ from dsa_dbo_harness.serve_report import (
     answers,
     harness_counts,
     merge,
+    reference_of,
 )
 from dsa_dbo_harness.trained import ANSWER
 from vllm_dsa_dbo.ab import Comparison, compare, load_runs
 
 # transformers' greedy answers to the same 500 questions (validation/results).
 TRANSFORMERS = Path(__file__).parent / "results" / "2026-12-02-trained-model" / "answers_gpu.jsonl"
-# The issue's bars until a measured table sets them: answers (the `#### N` lm_eval grades)
-# equal to the first DBO-off run's, for vLLM against transformers, DBO off twice and the fix;
-# and what stock must lose. Answers, not whole completions: the model states the value it
-# found confidently, but not always the name it was asked about (the name is not graded).
-FLOOR = 0.97
-STOCK_LOSS = 0.10
-# Microbatched forwards each DBO worker must log for its arm to count as DBO at all.
-MIN_MICROBATCHED = 20
+# Bars from the DeepEP high-throughput table (results/2026-12-02-ht-table): answers (the `#### N`
+# lm_eval grades) equal to the first DBO-off run's were 500 of 500 for vLLM against transformers,
+# DBO off twice, the fix and the control, so FLOOR leaves 5 of 500 to numerics; stock lost 0.72
+# and 0.86. Answers, not whole completions: the model states the value it found confidently, but
+# not always the name it was asked about (the name is not graded).
+FLOOR = 0.99
+STOCK_LOSS = 0.5
+# Microbatched forwards each DBO worker must log for its arm to count as DBO (measured: 72-108).
+MIN_MICROBATCHED = 50
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +105,7 @@ def test_stock_dbo_loses_answers(table):
 
 def test_without_shared_top_k_stock_dbo_stays_within_the_floor(table):
     """The control: the same weights at index_topk_freq=1, where no layer reads another's."""
-    reference = answers(table, arm(table, "f1_off"))
+    reference = answers(table, reference_of(table, arm(table, "f1_stock")))
     assert agreeing(answers(table, arm(table, "f1_stock")), reference) >= FLOOR * len(reference)
 
 

@@ -3,7 +3,8 @@ worker's harness counts; and issue 28's table from them.
 
     python -m dsa_dbo_harness.serve_report OUTDIR.tgz[:OUTDIR2.tgz ...]
 
-Each arm is compared with its DBO-off run (`off_a`; `f1_off` for the `index_topk_freq=1` arms).
+Each arm is compared with its DBO-off run: `off_a`, or for the `index_topk_freq=1` arms `f1_off`
+where the table has it (else `off_a`: the control's logits equal the model's, a CPU test checks).
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ def merge(outputs: str, into: Path) -> Path:
     return into
 
 
-def reference_of(name: str) -> str:
-    return "f1_off" if name.startswith("f1_") else "off_a"
+def reference_of(table: Path, name: str) -> str:
+    return "f1_off" if name.startswith("f1_") and (table / "f1_off").is_dir() else "off_a"
 
 
 def answers(table: Path, name: str) -> dict[int, str]:
@@ -69,31 +70,32 @@ def harness_counts(table: Path, name: str) -> list[tuple[int, int | None, int | 
 
 def report(table: Path) -> str:
     lines = [
-        "| arm | accuracy ± stderr | answers equal to DBO off | lost / gained | McNemar p "
+        "| arm | accuracy ± stderr | answers equal to DBO off | against | lost / gained "
+        "| McNemar p "
         "| microbatched forwards per worker | checker: bad of checked reads per worker |",
-        "|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name in (a for a in ARMS if (table / a).is_dir()):
-        reference = reference_of(name)
+        reference = reference_of(table, name)
         if name == reference:
             (row,) = [
                 r
                 for r in compare(load_runs([table / name], TASK, "exact_match"))
                 if r.filter == FILTER
             ]
-            agree = lost = p = "-"
+            agree = against = lost = p = "-"
         else:
             runs = load_runs([table / reference, table / name], TASK, "exact_match")
             _, row = [r for r in compare(runs) if r.filter == FILTER]
             same = agreeing(answers(table, name), answers(table, reference))
-            agree = f"{same} / {row.questions}"
+            agree, against = f"{same} / {row.questions}", reference
             lost, p = f"{row.lost} / {row.gained}", f"{row.mcnemar_p:.3g}"
         counts = harness_counts(table, name)
         forwards = ", ".join(f"{m} of {n}" for m, n, _, _ in counts) or "-"
         checked = ", ".join(f"{b} of {r}" for _, _, r, b in counts if r is not None) or "-"
         lines.append(
-            f"| {name} | {row.accuracy:.3f} ± {row.stderr:.3f} | {agree} | {lost} | {p} "
-            f"| {forwards} | {checked} |"
+            f"| {name} | {row.accuracy:.3f} ± {row.stderr:.3f} | {agree} | {against} | {lost} "
+            f"| {p} | {forwards} | {checked} |"
         )
     return "\n".join(lines)
 
