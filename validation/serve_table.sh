@@ -10,7 +10,8 @@
 #   f1_off f1_stock           the same weights at index_topk_freq=1 (`trained control`)
 #   validation/serve_table.sh OUTDIR ht|ll ARM...
 #     ht: deepep_high_throughput, eager, fp8 KV cache, prefix caching
-#     ll: deepep_low_latency, FULL_DECODE_ONLY CUDA graphs, fp8 KV cache
+#     ll: deepep_low_latency, FULL_DECODE_ONLY CUDA graphs, fp8 KV cache (with the harness's one
+#         gate for the bundle's older torch, named in its "microbatched forwards" line)
 #   Both serve the model widened to hidden 2048 (`trained widen`): DeepEP's low-latency kernels
 #   take 2048-8192, and with high throughput vLLM 0.33.0 pads the MoE input to 256 columns but not
 #   the router's 128-wide weight ("mat1 and mat2 shapes cannot be multiplied (4096x256 and 128x8)").

@@ -429,8 +429,13 @@ def _count_microbatched_steps() -> None:
                 else f"; checker {checker.checked_reads} reads, "
                 f"{sum(checker.violations.values())} bad"
             )
+            gates = f"; harness gates: {', '.join(GATES)}" if GATES else ""
             logger.info(
-                "dsa_dbo_harness: %d microbatched forwards of %d%s", calls, COUNTS["calls"], checked
+                "dsa_dbo_harness: %d microbatched forwards of %d%s%s",
+                calls,
+                COUNTS["calls"],
+                checked,
+                gates,
             )
         if measure and MEASURED["from_call"] is not None:
             return _measured(lambda: stock_call(self, *args, **kwargs))
