@@ -8,6 +8,9 @@
 #   fix                       DBO on, the plugin
 #   stock_check fix_check     the same with VLLM_DSA_DBO_CHECK=audit, for the checker's counts
 #   f1_off f1_stock           the same weights at index_topk_freq=1 (`trained control`)
+#   tree_off tree_fix         DBO off and on in the vLLM tree SERVE_TABLE_TREE names, with only
+#                             the harness loaded: validation/upstream_tests.sh leaves the tree
+#                             `upstream-patch` made at /tmp/vllm-dsa-dbo-trees/patched/vllm-0.33.0
 #   validation/serve_table.sh OUTDIR ht|ll ARM...
 #     ht: deepep_high_throughput, eager, fp8 KV cache, prefix caching
 #     ll: deepep_low_latency, FULL_DECODE_ONLY CUDA graphs, fp8 KV cache (with the harness's one
@@ -95,7 +98,7 @@ healthy() {  # ARM: /health within 300 s, or why not
 }
 
 arm() {  # ARM: serve, evaluate, stop
-  local name=$1 model=$freq4 disable="" check="" extra=()
+  local name=$1 model=$freq4 disable="" check="" extra=() path=$site plugins=()
   case "$name" in
     off_a|off_b) ;;
     stock) disable=stock extra=("${dbo[@]}") ;;
@@ -104,10 +107,15 @@ arm() {  # ARM: serve, evaluate, stop
     fix_check) check=audit extra=("${dbo[@]}") ;;
     f1_off) model=$freq1 ;;
     f1_stock) model=$freq1 disable=stock extra=("${dbo[@]}") ;;
+    tree_off|tree_fix)
+      [ -f "${SERVE_TABLE_TREE:-}/vllm/__init__.py" ] || { echo "$name: SERVE_TABLE_TREE names no vLLM tree"; return 1; }
+      path=$SERVE_TABLE_TREE:$site plugins=(VLLM_PLUGINS=dsa_dbo_harness)
+      [ "$name" = tree_fix ] && extra=("${dbo[@]}") ;;
     *) echo "unknown arm $name"; return 1 ;;
   esac
   echo "## $name"
-  local t0=$SECONDS run=(setsid env PYTHONPATH="$site" VLLM_DSA_DBO_DISABLE="$disable" VLLM_DSA_DBO_CHECK="$check"
+  echo "$name: vLLM from $(PYTHONPATH=$path python3 -c 'import importlib.util as u; print(u.find_spec("vllm").origin)')"
+  local t0=$SECONDS run=(setsid env PYTHONPATH="$path" "${plugins[@]}" VLLM_DSA_DBO_DISABLE="$disable" VLLM_DSA_DBO_CHECK="$check"
     python3 -m vllm.entrypoints.cli.main serve "$model" "${common[@]}" "${extra[@]}")
   "${run[@]}" --port $port --host 127.0.0.1 --api-server-count 1 --disable-uvicorn-access-log > "$out/$name.rank0.log" 2>&1 &
   pids+=($!)

@@ -85,7 +85,7 @@ def test_dbo_off_twice_is_the_floor(table):
     assert agreeing(answers(table, arm(table, "off_b")), reference) >= FLOOR * len(reference)
 
 
-@pytest.mark.parametrize("name", ["stock", "fix"])
+@pytest.mark.parametrize("name", ["stock", "fix", "tree_fix"])
 def test_dbo_arms_microbatch(table, name):
     assert all(forwards >= MIN_MICROBATCHED for forwards, *_ in counts(table, name))
 
@@ -95,6 +95,12 @@ def test_the_fix_stays_within_the_floor(table):
     assert agreeing(answers(table, arm(table, "fix")), reference) >= FLOOR * len(reference)
     _, row = against_off(table, "fix")
     assert row.mcnemar_p >= 0.05, row
+
+
+def test_the_upstream_change_stays_within_the_floor(table):
+    """vLLM carrying `upstream-patch`'s change, without the plugin, DBO on."""
+    reference = answers(table, arm(table, "off_a"))
+    assert agreeing(answers(table, arm(table, "tree_fix")), reference) >= FLOOR * len(reference)
 
 
 def test_stock_dbo_loses_answers(table):

@@ -21,7 +21,18 @@ from pathlib import Path
 from vllm_dsa_dbo.ab import compare, load_runs, read_text, samples_file
 
 TASK, FILTER = "kv_lookup", "strict-match"
-ARMS = ("off_a", "off_b", "stock", "fix", "stock_check", "fix_check", "f1_off", "f1_stock")
+ARMS = (
+    "off_a",
+    "off_b",
+    "stock",
+    "fix",
+    "stock_check",
+    "fix_check",
+    "f1_off",
+    "f1_stock",
+    "tree_off",
+    "tree_fix",
+)
 HARNESS_LINE = re.compile(
     r"dsa_dbo_harness: (\d+) microbatched forwards(?: of (\d+))?"
     r"(?:; checker (\d+) reads, (\d+) bad)?"
