@@ -39,7 +39,7 @@ from vllm_dsa_dbo.settings import (
 )
 
 if TYPE_CHECKING:
-    from vllm_dsa_dbo.patches import Patch
+    from vllm_dsa_dbo.patches._shared import Patch
 
 ENTRY_POINT_GROUP = "vllm.general_plugins"
 ENTRY_POINT_NAME = "dsa_dbo"
@@ -145,7 +145,14 @@ def status(args: argparse.Namespace) -> int:
         print(f"{DISABLE_ENV}: {env_shown(DISABLE_ENV)} ({meaning})")
     print(check)
     if inspect_vllm:
-        importing_vllm()
+        # Importing vLLM's DeepSeek-V4.1 code starts two kernel builds, each a Python process
+        # importing torch, which take the CPU and which this process waits for at exit.
+        os.environ.setdefault("HUMMING_DISABLE_PARALLEL_BUILD", "1")
+        print(
+            "status: importing vLLM's attention and model code to check the patches against it...",
+            file=sys.stderr,
+            flush=True,
+        )
         print_patches(problems)
     else:
         from vllm_dsa_dbo.diagnostics import isolation, load_check
@@ -187,18 +194,6 @@ def unmodified_release() -> bool:
             if digest.rstrip(b"=").decode() != file.hash.value:
                 return False
     return True
-
-
-def importing_vllm() -> None:
-    """Say on stderr why `status` waits, and keep kernel builds from running behind it."""
-    # Importing vLLM's DeepSeek-V4.1 code starts two background kernel builds, each a Python
-    # process importing torch, which take the CPU and which this process waits for at exit.
-    os.environ.setdefault("HUMMING_DISABLE_PARALLEL_BUILD", "1")
-    print(
-        "status: importing vLLM's attention and model code to check the patches against it...",
-        file=sys.stderr,
-        flush=True,
-    )
 
 
 def print_patches(problems: list[str]) -> None:
@@ -277,12 +272,12 @@ def load_config(args: argparse.Namespace) -> tuple[str, Layout]:
 
 
 def read_json(path: Path) -> object:
+    from vllm_dsa_dbo.ab import ABError, read_text
+
     try:
-        return json.loads(path.read_bytes().decode("utf-8"))
-    except OSError as e:
-        raise UsageError(f"cannot read {path}: {e.strerror or e}") from None
-    except UnicodeDecodeError as e:
-        raise UsageError(f"{path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
+        return json.loads(read_text(path))
+    except ABError as e:
+        raise UsageError(str(e)) from None
     except json.JSONDecodeError as e:
         raise UsageError(f"{path} is not valid JSON: {e}") from None
 
@@ -381,7 +376,11 @@ def memory(args: argparse.Namespace) -> int:
 
 
 def demo(args: argparse.Namespace) -> int:
-    check = plugin_env()
+    try:
+        disable_mode()
+        check = check_mode()
+    except EnvValueError as e:
+        raise UsageError(str(e)) from None
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
     env.pop("VLLM_PLUGINS", None)
     crossed = {}
@@ -405,15 +404,6 @@ def demo(args: argparse.Namespace) -> int:
     checked = f", and the isolation checker ({check}) saw no bad read" if check else ""
     print(f"the fix keeps every follower on its own microbatch's top-k{checked}")
     return 0
-
-
-def plugin_env() -> str | None:
-    """The checker mode the plugin's environment asks for; UsageError for an unknown value."""
-    try:
-        disable_mode()
-        return check_mode()
-    except EnvValueError as e:
-        raise UsageError(str(e)) from None
 
 
 # ab -------------------------------------------------------------------------
@@ -550,11 +540,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print the diff, write nothing")
     p.set_defaults(func=upstream_patch)
 
-    p = sub.add_parser(
-        "demo",
-        help="run one DBO step through vLLM's real classes on the CPU, stock and fixed",
-    )
-    p.set_defaults(func=demo)
+    sub.add_parser(
+        "demo", help="run one DBO step through vLLM's real classes on the CPU, stock and fixed"
+    ).set_defaults(func=demo)
     return parser
 
 

@@ -28,7 +28,7 @@ from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroupBuilde
 from vllm.v1.attention.backends.mla.sparse_utils import triton_convert_req_index_to_global_index
 from vllm.v1.worker.ubatching import dbo_current_ubatch_id, dbo_yield, make_ubatch_contexts
 
-from vllm_dsa_dbo.patches import run_after_init
+from vllm_dsa_dbo.patches._shared import run_after_init
 
 
 class FakeEvent:

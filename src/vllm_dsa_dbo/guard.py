@@ -8,7 +8,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from vllm_dsa_dbo.patches import replace_function
+from vllm_dsa_dbo.patches._shared import replace_function
 from vllm_dsa_dbo.settings import SUPPORTED_VLLM, is_supported_vllm
 
 # Config keys by which a vLLM 0.33.0 DSA model hands one layer's top-k to another.

@@ -23,7 +23,8 @@ from types import ModuleType
 from typing import Any
 
 from vllm_dsa_dbo import settings
-from vllm_dsa_dbo.patches import Patch, apply_all
+from vllm_dsa_dbo.patches import apply_all
+from vllm_dsa_dbo.patches._shared import Patch
 from vllm_dsa_dbo.settings import CHECK_ENV, CHECK_MODES
 
 
@@ -210,10 +211,12 @@ def _check_deepseek_v41_attention(target: ModuleType) -> None:
     layer._sparse_indexer_and_attn = checked_v41_layer(CHECKER, layer._sparse_indexer_and_attn)
 
 
-_DIAGNOSTIC = "none: a diagnostic"
 _ONLY_WHEN_ON = "Only with VLLM_DSA_DBO_CHECK=raise or audit, after the fix's patches: "
+_checker_patch = functools.partial(
+    Patch, upstream="none: a diagnostic", remove_when="with the isolation checker"
+)
 PATCHES = (
-    Patch(
+    _checker_patch(
         name="isolation_sparse_mla_attention",
         target="vllm.model_executor.layers.attention.sparse_mla_attention",
         replaces=(
@@ -228,11 +231,9 @@ PATCHES = (
             f"{_ONLY_WHEN_ON}record_logical_topk_ready stamps the buffer and event a leader "
             "wrote, and the topk_indices_buffer getter checks what a follower reads against it."
         ),
-        upstream=_DIAGNOSTIC,
-        remove_when="with the isolation checker",
         apply=_check_sparse_mla_attention,
     ),
-    Patch(
+    _checker_patch(
         name="isolation_index_group",
         target="vllm.v1.attention.backends.mla.index_group",
         replaces=("SparseMLAIndexGroup._convert_once",),
@@ -244,11 +245,9 @@ PATCHES = (
             f"{_ONLY_WHEN_ON}_convert_once stamps that state at layer 0 and checks it at a "
             "follower, in the microbatch's copy with the fix, in the group's own without."
         ),
-        upstream=_DIAGNOSTIC,
-        remove_when="with the isolation checker",
         apply=_check_index_group,
     ),
-    Patch(
+    _checker_patch(
         name="isolation_deepseek_v41_attention",
         target="vllm.models.deepseek_v41.attention",
         replaces=("DeepseekV4Attention._sparse_indexer_and_attn",),
@@ -261,8 +260,6 @@ PATCHES = (
             f"{_ONLY_WHEN_ON}_sparse_indexer_and_attn checks the top-k and candidate blocks "
             "a layer reads before it runs and stamps what it wrote after."
         ),
-        upstream=_DIAGNOSTIC,
-        remove_when="with the isolation checker",
         apply=_check_deepseek_v41_attention,
     ),
 )

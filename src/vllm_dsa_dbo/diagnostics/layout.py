@@ -37,10 +37,6 @@ class CodePath:
     copies: str
 
 
-def _on_both(path: CodePath) -> dict[str, CodePath]:
-    return {"cuda": path, "rocm": path}
-
-
 _V32 = {
     "cuda": CodePath("vllm/models/deepseek_v32/nvidia", "dsa", GROUPS),
     "rocm": CodePath("vllm/models/deepseek_v32/amd", "dsa", LOGICAL),
@@ -57,7 +53,7 @@ _MINIMAX_M3 = {
     "cuda": CodePath("vllm/models/minimax_m3/nvidia", None, UNSHARED),
     "rocm": CodePath("vllm/models/minimax_m3/amd", "minimax_m3", REFUSED),
 }
-_GLM5_NEXT = _on_both(CodePath("vllm/models/glm5next", None, UNSHARED))
+_GLM5_NEXT = dict.fromkeys(("cuda", "rocm"), CodePath("vllm/models/glm5next", None, UNSHARED))
 
 # Every vLLM 0.33.0 DSA model class (the README's coverage table), by platform; vLLM
 # registers each under its own name.
@@ -374,18 +370,10 @@ def layout(path: CodePath, text: dict) -> Layout:
     )
 
 
-def group_sizes(leaders: list[bool]) -> list[int]:
-    """Layers per index group: a group starts at a leader (or the first layer)."""
-    sizes: list[int] = []
-    for i, leads in enumerate(leaders):
-        if leads or i == 0:
-            sizes.append(0)
-        sizes[-1] += 1
-    return sizes
-
-
 def groups_with_followers(leaders: list[bool]) -> int:
-    return sum(size > 1 for size in group_sizes(leaders))
+    """Index groups of several layers: a group starts at a leader (or the first layer)."""
+    starts = [i for i, leads in enumerate(leaders) if leads or i == 0]
+    return sum(end - start > 1 for start, end in zip(starts, [*starts[1:], len(leaders)]))
 
 
 def ubatch_topk_bytes_per_extra_ubatch(
@@ -396,14 +384,9 @@ def ubatch_topk_bytes_per_extra_ubatch(
     groups_with_followers: int,
     logical_only: bool = False,
 ) -> int:
-    """Extra bytes per GPU per extra microbatch, as `core.add_layer_state` allocates.
-
-    One logical buffer `[max_num_batched_tokens, index_topk]` when any group
-    has followers, plus per such group `max_decode_rows + 1` physical rows of
-    `index_topk` and as many valid counts, all int32. `logical_only`: the
-    logical buffer alone, as `share_ubatch_logical_topk` allocates for models
-    whose followers build private groups (HYV4, ROCm DSA).
-    """
+    """Extra bytes per GPU per extra microbatch, as `core.add_layer_state` allocates (int32):
+    the logical buffer, plus per group with followers `max_decode_rows + 1` physical rows
+    and valid counts; `logical_only` (HYV4, ROCm DSA): as `share_ubatch_logical_topk`."""
     if groups_with_followers == 0:
         return 0
     if logical_only:

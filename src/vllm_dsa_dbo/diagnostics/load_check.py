@@ -12,7 +12,7 @@ from typing import Any
 
 from vllm_dsa_dbo import settings
 from vllm_dsa_dbo.guard import refuse_hisparse, takes_vllm_config
-from vllm_dsa_dbo.patches import Patch, replace_function
+from vllm_dsa_dbo.patches._shared import Patch, replace_function
 
 _building = threading.local()
 

@@ -15,20 +15,7 @@ from types import ModuleType
 
 from vllm_dsa_dbo import settings
 from vllm_dsa_dbo.patches._on_import import is_pending, on_first_import
-from vllm_dsa_dbo.patches._shared import Patch, call_after_init, replace_function, run_after_init
-
-__all__ = [
-    "CARRIED",
-    "MODEL_PACKAGES",
-    "Patch",
-    "applied",
-    "apply_all",
-    "call_after_init",
-    "diagnose",
-    "fix_patches",
-    "replace_function",
-    "run_after_init",
-]
+from vllm_dsa_dbo.patches._shared import Patch
 
 # The fix's patch modules: every module of this package but the underscored ones.
 NAMES = tuple(sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name[0] != "_"))

@@ -12,6 +12,7 @@ import ast
 import difflib
 import hashlib
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -23,6 +24,8 @@ VERSION = "0.33.0"
 EDITS = tuple(CHANGE)  # the files the change touches, tests included
 TEST_FILE = "tests/v1/attention/test_sparse_mla_backends.py"
 NEW_TEST = "test_sparse_mla_index_group_keeps_topk_per_dbo_ubatch"
+# One edit in `CHANGE`: its `@@ first last` line, then the lines it writes.
+EDIT = re.compile(r"^@@ (\d+) (\d+)\n(.*?)(?=^@@ |\Z)", re.M | re.S)
 
 
 class PatchRefused(Exception):
@@ -54,10 +57,6 @@ def spans(text: str) -> dict[str, list[tuple[int, int]]]:
     for node, first, last in zip(body, starts, ends, strict=True):
         found.setdefault(statement_name(node), []).append((first, last))
     return found
-
-
-def sha256(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def read(root: Path, path: str) -> str:
@@ -97,12 +96,15 @@ def patched(path: str, text: str) -> str:
         if len(where) != 1:
             raise PatchRefused(path, name, f"found {len(where)} times, expected once")
         first, last = where[0]
-        digest = sha256("".join(lines[first:last]))
+        digest = hashlib.sha256("".join(lines[first:last]).encode()).hexdigest()
         if digest == changed != original:
             raise PatchRefused(path, name, "already changed: the tree carries the fix")
         if digest != original:
             differ.append(name)
-        edits += [(first + start, first + end, new) for start, end, new in statement_edits]
+        edits += [
+            (first + int(start), first + int(end), new)
+            for start, end, new in EDIT.findall(statement_edits)
+        ]
     if differ:
         raise PatchRefused(path, differ[0], f"differs from vLLM {VERSION}'s")
     for start, end, new in sorted(edits, reverse=True):

@@ -1,31 +1,24 @@
 """The in-tree change, as data: per vLLM file, each top-level statement it edits
 (named as `statement_name` names it), the sha256 of its text in vLLM 0.33.0 and
 in a tree that carries the change (which tells a second run apart), and its
-edits: lines [first, last) of the statement replaced by lines written here."""
+edits, each an `@@ first last` line and the lines that replace lines [first, last) of the
+statement."""
 
 CHANGE = {
     "vllm/v1/attention/backends/mla/index_group.py": {
         "from vllm.v1.hisparse.runtime import": (
             "b9a419019eb1a63417d3131329543a4f3cbd99905b0486fa3d5b0aaaaf52550d",
             "d5f5acb379b8e7b957663d9c9a65f8bb81cda3c0b6fc8697ddca8dcca477dc5b",
-            (
-                (
-                    6,
-                    6,
-                    """\
+            """\
+@@ 6 6
 from vllm.v1.worker.ubatching import dbo_current_ubatch_id
 """,
-                ),
-            ),
         ),
         "_create_event": (
             "f417f34fedb2cc461e27e1b64a0897a3f724b23b24dfed35e0a66d261d56eeda",
             "f417f34fedb2cc461e27e1b64a0897a3f724b23b24dfed35e0a66d261d56eeda",
-            (
-                (
-                    2,
-                    2,
-                    '''\
+            '''\
+@@ 2 2
 
 
 @dataclass
@@ -37,17 +30,12 @@ class SparseMLATopkState:
     logical_topk_ready: torch.Event
     physical_topk_ready: torch.Event
 ''',
-                ),
-            ),
         ),
         "SparseMLAIndexGroup": (
             "489cd377adf328fece9b579b7e897f3ad68b596581b6ab47915886458c1fd1c3",
             "ffe7743d6e7c53ced8073f8cbff8dc9abfa81614002ee6879caa912f89b2f55e",
-            (
-                (
-                    12,
-                    12,
-                    '''\
+            '''\
+@@ 12 12
     # Indexed by DBO microbatch id, in groups with followers only: the other
     # microbatch may run its leader before this one's followers read.
     ubatch_topk: list[SparseMLATopkState] = field(default_factory=list)
@@ -64,82 +52,37 @@ class SparseMLATopkState:
         if not self.ubatch_logical_topk or buffer is not self.ubatch_logical_topk[0]:
             return buffer
         return self.ubatch_logical_topk[dbo_current_ubatch_id()]
-''',
-                ),
-                (
-                    34,
-                    35,
-                    """\
+@@ 34 35
         self._topk_state().logical_topk_ready.record(current_stream())
-""",
-                ),
-                (
-                    104,
-                    106,
-                    """\
+@@ 104 106
         state = self._topk_state()
         physical_topk_indices = state.physical_topk_indices[:num_tokens]
         valid_topk_counts = state.valid_topk_counts[:num_tokens]
-""",
-                ),
-                (
-                    109,
-                    110,
-                    """\
+@@ 109 110
                 self.side_stream.wait_event(state.logical_topk_ready)
-""",
-                ),
-                (
-                    127,
-                    129,
-                    """\
+@@ 127 129
                 state.physical_topk_ready.record(self.side_stream)
         compute_stream.wait_event(state.physical_topk_ready)
-""",
-                ),
-            ),
+''',
         ),
         "SparseMLAIndexGroupBuilder": (
             "1aa8dcfbd96630ac7ce5c494881c7b7aa35bf2e5534978a79fc7e4c72d271b9f",
             "c291467533c8246db0ff77c9ee573106fcdfbdcd1ee2b4a87de52876af0409ee",
-            (
-                (
-                    4,
-                    5,
-                    """\
+            '''\
+@@ 4 5
         self,
         logical_topk_indices: torch.Tensor,
         max_decode_rows: int | None = None,
         num_ubatches: int = 1,
-""",
-                ),
-                (
-                    12,
-                    12,
-                    """\
+@@ 12 12
         self.num_ubatches = num_ubatches
         self.ubatch_logical_topk: list[torch.Tensor] = []
-""",
-                ),
-                (
-                    47,
-                    47,
-                    """\
+@@ 47 47
                 ubatch_logical_topk=self.ubatch_logical_topk,
-""",
-                ),
-                (
-                    54,
-                    54,
-                    """\
+@@ 54 54
         if group_index == 1 and self.num_ubatches > 1:
             self._add_ubatch_topk(group)
-""",
-                ),
-                (
-                    55,
-                    55,
-                    '''\
+@@ 55 55
 
     def _add_ubatch_topk(self, group: SparseMLAIndexGroup) -> None:
         """Under DBO the other microbatch's leader may run before a follower."""
@@ -166,26 +109,16 @@ class SparseMLATopkState:
                 )
             )
 ''',
-                ),
-            ),
         ),
     },
     "vllm/model_executor/layers/attention/sparse_mla_attention.py": {
         "SharedTopkIndicesBuffer": (
             "d33ee6ce2b3532a0b84aec8823b5afa8ba0c342e75810874429131b7311275cb",
             "9bf39cde1a22d8d0892c09fad05fa56007c9544f8882d2c85f61cafc514c88e7",
-            (
-                (
-                    11,
-                    11,
-                    """\
+            """\
+@@ 11 11
     index_group: SparseMLAIndexGroup | None = None
-""",
-                ),
-                (
-                    23,
-                    25,
-                    """\
+@@ 23 25
             buffer = self._indexer.topk_indices_buffer  # type: ignore[attr-defined]
         else:
             buffer = self._topk_indices_buffer
@@ -194,69 +127,44 @@ class SparseMLATopkState:
             return buffer
         return group.ubatch_logical_topk_indices(buffer)
 """,
-                ),
-            ),
         ),
     },
     "vllm/models/deepseek_v32/attention.py": {
         "DeepseekV32Attention": (
             "d3f26c9a34c0b99de811510f178bdc46d16bdc6d47fd3e06d134761fcaece4d8",
             "bea0bf43915c18cb52be1e5c9a1318d1701b0756798aa82e8f28b83553581f9f",
-            (
-                (
-                    272,
-                    273,
-                    """\
+            """\
+@@ 272 273
             self.impl.topk_indices_buffer,  # type: ignore[attr-defined]
-""",
-                ),
-                (
-                    380,
-                    381,
-                    """\
+@@ 380 381
                 self.impl.topk_indices_buffer,  # type: ignore[attr-defined]
 """,
-                ),
-            ),
         ),
     },
     "vllm/models/deepseek_v32/nvidia/model.py": {
         "from vllm.v1.attention.backends.mla.index_group import": (
             "995535f38221dc97bef22bc3e242eabe191cf487cc80ffc4bc2d3d05d0c13785",
             "2c3670277e879559c139f169c02a428b5a5b513658e1d00fa1d6739b33cf7292",
-            (
-                (
-                    4,
-                    4,
-                    """\
+            """\
+@@ 4 4
 from vllm.v1.worker.ubatch_utils import get_num_ubatches
 """,
-                ),
-            ),
         ),
         "DeepseekV32Model": (
             "2ae590ca7156d062ee7cf5f50cb95fa1f585cab628569f50c54fa5577f1d5216",
             "93ba9e0a4812914a72f8354deb431d0dc5ccdc382ffeb4bd29366fb041337443",
-            (
-                (
-                    32,
-                    32,
-                    """\
+            """\
+@@ 32 32
             get_num_ubatches(vllm_config.parallel_config),
 """,
-                ),
-            ),
         ),
     },
     "tests/v1/attention/test_sparse_mla_backends.py": {
         "test_sparse_mla_index_groups_own_distinct_physical_buffers": (
             "4c5b13f4bf71704608c5fb36b1aaad635a2f66d4c436743acb451f20ef14f827",
             "a50e9084f5dece2a958cdd94bb8da7e505db7aa9856487028e5f821367008f2e",
-            (
-                (
-                    15,
-                    15,
-                    '''\
+            '''\
+@@ 15 15
 
 
 def test_sparse_mla_index_group_keeps_topk_per_dbo_ubatch(monkeypatch):
@@ -305,8 +213,6 @@ def test_sparse_mla_index_group_keeps_topk_per_dbo_ubatch(monkeypatch):
         for ours, theirs in zip(read(follower_index, follower), written[ubatch_id]):
             assert torch.equal(ours, theirs)
 ''',
-                ),
-            ),
         ),
     },
 }
