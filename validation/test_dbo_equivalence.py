@@ -66,6 +66,13 @@ def against_off(table: Path, name: str) -> tuple[Comparison, Comparison]:
     return reference, row
 
 
+def assert_within_floor(table: Path, name: str, reference: str = "off_a") -> None:
+    """`name`'s graded answers equal `reference`'s on at least FLOOR of the questions."""
+    expected = answers(table, arm(table, reference))
+    same = agreeing(answers(table, arm(table, name)), expected)
+    assert same >= FLOOR * len(expected), f"{name}: {same} of {len(expected)} as {reference}"
+
+
 def counts(table: Path, name: str) -> list[tuple[int, int | None, int | None, int | None]]:
     found = harness_counts(table, arm(table, name))
     assert len(found) == 2, f"{name}: {2 - len(found)} worker(s) logged no microbatched forward"
@@ -81,8 +88,7 @@ def test_vllm_answers_as_transformers(table):
 
 
 def test_dbo_off_twice_is_the_floor(table):
-    reference = answers(table, arm(table, "off_a"))
-    assert agreeing(answers(table, arm(table, "off_b")), reference) >= FLOOR * len(reference)
+    assert_within_floor(table, "off_b")
 
 
 @pytest.mark.parametrize("name", ["stock", "fix", "tree_fix"])
@@ -91,16 +97,14 @@ def test_dbo_arms_microbatch(table, name):
 
 
 def test_the_fix_stays_within_the_floor(table):
-    reference = answers(table, arm(table, "off_a"))
-    assert agreeing(answers(table, arm(table, "fix")), reference) >= FLOOR * len(reference)
+    assert_within_floor(table, "fix")
     _, row = against_off(table, "fix")
     assert row.mcnemar_p >= 0.05, row
 
 
 def test_the_upstream_change_stays_within_the_floor(table):
     """vLLM carrying `upstream-patch`'s change, without the plugin, DBO on."""
-    reference = answers(table, arm(table, "off_a"))
-    assert agreeing(answers(table, arm(table, "tree_fix")), reference) >= FLOOR * len(reference)
+    assert_within_floor(table, "tree_fix")
 
 
 def test_stock_dbo_loses_answers(table):
@@ -111,8 +115,7 @@ def test_stock_dbo_loses_answers(table):
 
 def test_without_shared_top_k_stock_dbo_stays_within_the_floor(table):
     """The control: the same weights at index_topk_freq=1, where no layer reads another's."""
-    reference = answers(table, reference_of(table, arm(table, "f1_stock")))
-    assert agreeing(answers(table, arm(table, "f1_stock")), reference) >= FLOOR * len(reference)
+    assert_within_floor(table, "f1_stock", reference_of(table, "f1_stock"))
 
 
 def test_the_checker_sees_bad_reads_only_without_the_fix(table):
