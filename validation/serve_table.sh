@@ -26,7 +26,8 @@
 # (the first arm on a fresh machine takes ~200 s to start, later ones ~2 minutes).
 # OUTDIR.tgz holds summary.md, each process's log and each arm's lm_eval output; it is rewritten
 # after every arm, and an arm that would start after SERVE_TABLE_BUDGET_S seconds (if set) is
-# skipped, so a call cut at its limit still brings back the arms it finished. Afterwards,
+# skipped, so a call cut at its limit still brings back the arms it finished. An arm that does not
+# start (or an unknown one) stops the script with exit status 1. Afterwards,
 # anywhere: `python -m dsa_dbo_harness.serve_report OUTDIR.tgz[:OUTDIR2.tgz]` for the table (in
 # validation/), `vllm-dsa-dbo ab off_a stock fix ... --task kv_lookup` in the unpacked folder, and
 # `DSA_DBO_TABLE=OUTDIR.tgz pytest validation/test_dbo_equivalence.py` for the bars it must meet.
@@ -138,12 +139,14 @@ arm() {  # ARM: serve, evaluate, stop
   return 0
 }
 
+status=0
 for name in "$@"; do
   if [ -n "${SERVE_TABLE_BUDGET_S:-}" ] && [ $((SECONDS + 170)) -gt "$SERVE_TABLE_BUDGET_S" ]; then
     echo "## $name: skipped, $SECONDS s of $SERVE_TABLE_BUDGET_S s gone"; continue
   fi
-  arm "$name" || { echo "## stopping: $name did not start, and the next arms would not either"; break; }
+  arm "$name" || { echo "## stopping: $name did not start, and the next arms would not either"; status=1; break; }
   tar -czf "$tgz" -C "$(dirname "$out")" "$(basename "$out")"
 done
 echo "total $SECONDS s"
 tar -czf "$tgz" -C "$(dirname "$out")" "$(basename "$out")"
+exit $status
