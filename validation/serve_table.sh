@@ -24,6 +24,8 @@
 #   bash validation/device_setup.sh && SERVE_TABLE_BUDGET_S=570 \
 #     bash validation/serve_table.sh $OUT/ht_a ht off_a stock fix
 # (the first arm on a fresh machine takes ~200 s to start, later ones ~2 minutes).
+# SERVE_TABLE_LANE=1 (2, ...) moves an arm's ports so that a second script can run beside the first
+# on the same GPU, each with SERVE_TABLE_GPU_UTIL (default 0.3) small enough for all ranks.
 # OUTDIR.tgz holds summary.md, each process's log and each arm's lm_eval output; it is rewritten
 # after every arm, and an arm that would start after SERVE_TABLE_BUDGET_S seconds (if set) is
 # skipped, so a call cut at its limit still brings back the arms it finished. An arm that does not
@@ -37,6 +39,7 @@ shift 2
 cd "$(dirname "$0")/.."
 . /tmp/gpu/env.sh
 [ -d .whl ] || { echo "no .whl here: carry it (lm_eval's wheels and transformers)"; exit 2; }
+exec 9>/tmp/dsa-dbo-serve.lock && flock 9  # lanes share the wheels and the models made below
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl 2>&1 | grep -v "Running pip as\|^WARNING: Target directory" || true
 site=/tmp/site:$PWD/validation${PYTHONPATH:+:$PYTHONPATH}
@@ -50,6 +53,7 @@ exec > >(tee "$out/summary.md") 2>&1
 
 models=/tmp/dsa-dbo-serve/$mode
 mkdir -p "$models"
+lane=${SERVE_TABLE_LANE:-0}
 freq4=$models/freq4 freq1=$models/freq1
 case "$mode" in
   ht) backend=deepep_high_throughput
@@ -66,12 +70,13 @@ case " $* " in *" f1_"*)
   [ -d "$freq1" ] || PYTHONPATH=$site python3 -m dsa_dbo_harness.trained control \
     "$freq4" "$freq1" || exit 1 ;;
 esac
+flock -u 9
 common=(--data-parallel-size 2 --data-parallel-size-local 1 --data-parallel-address 127.0.0.1
-  --data-parallel-rpc-port 13345 --enable-expert-parallel --all2all-backend "$backend"
+  --data-parallel-rpc-port $((13345 + 100 * lane)) --enable-expert-parallel --all2all-backend "$backend"
   --attention-backend FLASHMLA_SPARSE --block-size 64 --max-model-len 1024 --max-num-seqs 64
-  --max-num-batched-tokens 4096 --seed 0 --gpu-memory-utilization 0.3 "${flags[@]}")
+  --max-num-batched-tokens 4096 --seed 0 --gpu-memory-utilization ${SERVE_TABLE_GPU_UTIL:-0.3} "${flags[@]}")
 dbo=(--enable-dbo --dbo-decode-token-threshold 4 --dbo-prefill-token-threshold 64)
-port=8101
+port=$((8101 + lane))
 pids=()
 
 stop() {  # the arm's processes and their children, politely first
