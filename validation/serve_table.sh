@@ -24,8 +24,9 @@
 #   bash validation/device_setup.sh && SERVE_TABLE_BUDGET_S=570 \
 #     bash validation/serve_table.sh $OUT/ht_a ht off_a stock fix
 # (the first arm on a fresh machine takes ~200 s to start, later ones ~2 minutes).
-# SERVE_TABLE_LANE=1 (2, ...) moves an arm's ports so that a second script can run beside the first
-# on the same GPU, each with SERVE_TABLE_GPU_UTIL (default 0.3) small enough for all ranks.
+# SERVE_TABLE_LANE=1 moves an arm's ports so that a second script can run beside the first on the
+# same GPU, both with SERVE_TABLE_GPU_UTIL=0.2 (default 0.3). Four lanes at 0.1 left vLLM no KV
+# cache memory (results/2026-12-02-checker-trees).
 # OUTDIR.tgz holds summary.md, each process's log and each arm's lm_eval output; it is rewritten
 # after every arm, and an arm that would start after SERVE_TABLE_BUDGET_S seconds (if set) is
 # skipped, so a call cut at its limit still brings back the arms it finished. An arm that does not
@@ -40,8 +41,10 @@ cd "$(dirname "$0")/.."
 . /tmp/gpu/env.sh
 [ -d .whl ] || { echo "no .whl here: carry it (lm_eval's wheels and transformers)"; exit 2; }
 exec 9>/tmp/dsa-dbo-serve.lock && flock 9  # lanes share the wheels and the models made below
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl 2>&1 | grep -v "Running pip as\|^WARNING: Target directory" || true
+[ -f /tmp/site/.installed ] || {  # once: a lane's servers import from it while the next lane starts
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl 2>&1 | grep -v "Running pip as\|^WARNING: Target directory"
+  touch /tmp/site/.installed; }
 site=/tmp/site:$PWD/validation${PYTHONPATH:+:$PYTHONPATH}
 export VLLM_DSA_DBO_HARNESS=1 VLLM_DSA_DBO_HARNESS_GATES=0 VLLM_DSA_DBO_HARNESS_LOG_EVERY=1 \
   VLLM_DBO_COMM_SMS=0 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_USE_DEEP_GEMM=0 VLLM_MOE_USE_DEEP_GEMM=0 \
