@@ -37,6 +37,17 @@
 set -uo pipefail
 tgz="$(realpath -m "${1:?usage: serve_table.sh OUTDIR ht|ll ARM...}").tgz" mode="${2:?ht or ll}"
 shift 2
+case "$mode" in
+  ht) backend=deepep_high_throughput
+      flags=(--enforce-eager --kv-cache-dtype fp8 --enable-prefix-caching) ;;
+  ll) backend=deepep_low_latency
+      flags=(--kv-cache-dtype fp8 --no-enable-prefix-caching --compilation-config
+        '{"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [4, 8, 16, 32]}')
+      export NVSHMEM_QP_DEPTH=8200 ;;
+  *) echo "mode: ht or ll, not $mode"; exit 2 ;;
+esac
+lane=${SERVE_TABLE_LANE:-0}
+[[ $lane =~ ^[0-9]$ ]] || { echo "SERVE_TABLE_LANE: a lane number 0-9, not '$lane'"; exit 2; }
 cd "$(dirname "$0")/.."
 . /tmp/gpu/env.sh
 [ -d .whl ] || { echo "no .whl here: carry it (lm_eval's wheels and transformers)"; exit 2; }
@@ -56,17 +67,7 @@ exec > >(tee "$out/summary.md") 2>&1
 
 models=/tmp/dsa-dbo-serve/$mode
 mkdir -p "$models"
-lane=${SERVE_TABLE_LANE:-0}
 freq4=$models/freq4 freq1=$models/freq1
-case "$mode" in
-  ht) backend=deepep_high_throughput
-      flags=(--enforce-eager --kv-cache-dtype fp8 --enable-prefix-caching) ;;
-  ll) backend=deepep_low_latency
-      flags=(--kv-cache-dtype fp8 --no-enable-prefix-caching --compilation-config
-        '{"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [4, 8, 16, 32]}')
-      export NVSHMEM_QP_DEPTH=8200 ;;
-  *) echo "mode: ht or ll, not $mode"; exit 2 ;;
-esac
 [ -d "$freq4" ] || PYTHONPATH=$site python3 -m dsa_dbo_harness.trained widen \
   validation/kv_lookup/model "$freq4" || exit 1
 case " $* " in *" f1_"*)
