@@ -8,7 +8,7 @@
 #   python tests/vllm_sdist.py trim .vllm-sdist && pip download --no-deps -d .vllm-sdist tblib
 # On the GPU machine (carry .vllm-sdist):
 #   validation/upstream_tests.sh [PYTEST_ARGS]
-# PYTEST_ARGS default to vLLM's whole test_sparse_mla_backends.py. VLLM_DSA_DBO_SDIST names the sdist (default .vllm-sdist/vllm-0.33.0.tar.gz here);
+# PYTEST_ARGS (e.g. -k "not correctness") narrow vLLM's test_sparse_mla_backends.py. VLLM_DSA_DBO_SDIST names the sdist (default .vllm-sdist/vllm-0.33.0.tar.gz here);
 # the trees go to VLLM_DSA_DBO_TREES (default /tmp/vllm-dsa-dbo-trees).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,7 +18,4 @@ export VLLM_DSA_DBO_TREES="${VLLM_DSA_DBO_TREES:-/tmp/vllm-dsa-dbo-trees}"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 python -c "import tblib" 2>/dev/null ||
     python -m pip install -q --no-index --find-links .vllm-sdist tblib
-if [ $# -eq 0 ]; then
-    set -- tests/v1/attention/test_sparse_mla_backends.py
-fi
-python tests/upstream_tree.py "$@"
+python tests/upstream_tree.py tests/v1/attention/test_sparse_mla_backends.py "$@"
