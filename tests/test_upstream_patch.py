@@ -101,7 +101,7 @@ def run_new_test(root: Path) -> subprocess.CompletedProcess:
 
 def test_new_test_passes_in_the_patched_tree(released, tmp_path):
     result = run_new_test(patched_tree(released, tmp_path, link=True))
-    assert "1 passed" in result.stdout, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "2 passed" in result.stdout, result.stdout[-3000:] + result.stderr[-3000:]
 
 
 # Each half of the fix taken out of the patched tree: (file, what the change wrote, instead).
@@ -134,8 +134,19 @@ def test_new_test_fails_on_the_bug_with_half_the_fix_removed(released, tmp_path,
     (tree / path).write_text(text.replace(written, instead))
     result = run_new_test(tree)
     out = result.stdout
-    assert "1 failed" in out and "AssertionError" in out, out[-3000:]
+    assert "1 failed, 1 passed" in out and "AssertionError" in out, out[-3000:]
     assert not re.search(r"\b(Type|Attribute|Key|Index)Error\b", out), out[-3000:]
+
+
+def test_state_that_needs_init_fails_objects_built_without_it(released, tmp_path):
+    """As vLLM's hisparse tests failed on a GPU when the fields had no class-level default."""
+    tree = patched_tree(released, tmp_path, link=True)
+    text = (tree / INDEX_GROUP).read_text()
+    assert text.count("] = ()\n") == 2
+    (tree / INDEX_GROUP).write_text(text.replace("] = ()\n", "] = field(default_factory=list)\n"))
+    out = run_new_test(tree).stdout
+    assert "1 failed, 1 passed" in out, out[-3000:]
+    assert "AttributeError: 'HiSparseMLAIndexGroup'" in out, out[-3000:]
 
 
 def mypy_errors(root: Path) -> set[str]:
@@ -431,4 +442,4 @@ def test_released_tree_patched_runs_vllms_own_tests_unchanged(tmp_path):
         )
     assert after and set(after.values()) <= {"passed", "skipped"} and "passed" in after.values()
     assert after == before, summary
-    assert "1 passed" in run_new_test(patched).stdout
+    assert "2 passed" in run_new_test(patched).stdout

@@ -6,6 +6,14 @@ statement."""
 
 CHANGE = {
     "vllm/v1/attention/backends/mla/index_group.py": {
+        "from dataclasses import": (
+            "10c0ced64ad2be8b72de55102169bfe7aace78d2e7f655f7c645f0c10f8865ad",
+            "10c0ced64ad2be8b72de55102169bfe7aace78d2e7f655f7c645f0c10f8865ad",
+            """\
+@@ 0 0
+from collections.abc import Sequence
+""",
+        ),
         "from vllm.v1.hisparse.runtime import": (
             "b9a419019eb1a63417d3131329543a4f3cbd99905b0486fa3d5b0aaaaf52550d",
             "d5f5acb379b8e7b957663d9c9a65f8bb81cda3c0b6fc8697ddca8dcca477dc5b",
@@ -33,14 +41,15 @@ class SparseMLATopkState:
         ),
         "SparseMLAIndexGroup": (
             "489cd377adf328fece9b579b7e897f3ad68b596581b6ab47915886458c1fd1c3",
-            "ffe7743d6e7c53ced8073f8cbff8dc9abfa81614002ee6879caa912f89b2f55e",
+            "e04778dc9d7681e97d6af776353322c241623e574452a00447fc5561ebf3ec94",
             '''\
 @@ 12 12
     # Indexed by DBO microbatch id, in groups with followers only: the other
-    # microbatch may run its leader before this one's followers read.
-    ubatch_topk: list[SparseMLATopkState] = field(default_factory=list)
+    # microbatch may run its leader before this one's followers read. The empty
+    # defaults are class attributes: groups built without __init__ read them.
+    ubatch_topk: Sequence[SparseMLATopkState] = ()
     # The builder's logical top-k per DBO microbatch, shared by its groups.
-    ubatch_logical_topk: list[torch.Tensor] = field(default_factory=list)
+    ubatch_logical_topk: Sequence[torch.Tensor] = ()
 
     def _topk_state(self) -> SparseMLAIndexGroup | SparseMLATopkState:
         if not self.ubatch_topk:
@@ -67,7 +76,7 @@ class SparseMLATopkState:
         ),
         "SparseMLAIndexGroupBuilder": (
             "1aa8dcfbd96630ac7ce5c494881c7b7aa35bf2e5534978a79fc7e4c72d271b9f",
-            "c291467533c8246db0ff77c9ee573106fcdfbdcd1ee2b4a87de52876af0409ee",
+            "89610d11bfb91b78588719a4c0e21a9430ee028324c673577c21efd046896d07",
             '''\
 @@ 4 5
         self,
@@ -91,23 +100,23 @@ class SparseMLATopkState:
             self.ubatch_logical_topk.append(logical)
             for _ in range(1, self.num_ubatches):
                 self.ubatch_logical_topk.append(torch.empty_like(logical))
-        group.ubatch_topk.append(
+        group.ubatch_topk = [
             SparseMLATopkState(
                 group.physical_topk_indices,
                 group.valid_topk_counts,
                 group.logical_topk_ready,
                 group.physical_topk_ready,
-            )
-        )
-        for _ in range(1, self.num_ubatches):
-            group.ubatch_topk.append(
+            ),
+            *(
                 SparseMLATopkState(
                     torch.empty_like(group.physical_topk_indices),
                     torch.empty_like(group.valid_topk_counts),
                     _create_event(),
                     _create_event(),
                 )
-            )
+                for _ in range(1, self.num_ubatches)
+            ),
+        ]
 ''',
         ),
     },
@@ -176,7 +185,7 @@ def test_sparse_mla_index_group_keeps_topk_per_dbo_ubatch(monkeypatch):
     alone, _ = builder.register_layer(True)
     group, leader_index = builder.register_layer(True)
     _, follower_index = builder.register_layer(False)
-    assert alone.ubatch_topk == []
+    assert not alone.ubatch_topk
 
     leader, follower = SharedTopkIndicesBuffer(), SharedTopkIndicesBuffer()
     leader.init_topk_indices_buffer(SimpleNamespace(topk_indices_buffer=logical), None)
