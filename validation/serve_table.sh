@@ -18,8 +18,8 @@
 #   Both serve the model widened to hidden 2048 (`trained widen`): DeepEP's low-latency kernels
 #   take 2048-8192, and with high throughput vLLM 0.33.0 pads the MoE input to 256 columns but not
 #   the router's 128-wide weight ("mat1 and mat2 shapes cannot be multiplied (4096x256 and 128x8)").
-# On the device, from the repo root, after ../shared/gpu's bundle (`GPU_PACK_CHUNK_MB=40 pack`: the
-# tree is 23 MB with the checkpoint, and tree plus chunk must stay under 64 MiB), with .whl carried
+# On the device, from the repo root, after ../shared/gpu's bundle (`GPU_PACK_CHUNK_MB=36 pack`: the
+# tree is 26 MB with the checkpoint, and tree plus chunk must stay under 64 MiB), with .whl carried
 # (the wheels of validation/lm_eval-wheels.txt and transformers 5.20.2; installed into /tmp/site):
 #   bash validation/device_setup.sh && SERVE_TABLE_BUDGET_S=570 \
 #     bash validation/serve_table.sh $OUT/ht_a ht off_a stock fix
