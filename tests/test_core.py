@@ -155,3 +155,27 @@ def test_dbo_ubatch_other_threads_resolve_ubatch0_while_microbatches_run(fake_gp
 
     run_dbo_step(step)
     assert seen == [(stack.buffer, ubatch0)]
+
+
+def test_dbo_ubatch_group_built_without_init_reads_as_stock(fake_gpu):
+    """vLLM's GPU-only tests build groups with `object.__new__` and set only what the code
+    under test reads; an unset field raises AttributeError, as a plain one does (`hasattr`,
+    `getattr` with a default and a dataclass's repr rely on it)."""
+    from vllm.v1.attention.backends.mla import index_group
+
+    from vllm_dsa_dbo.core import UBATCH_TOPK_FIELDS
+
+    def error_reading(group: object, name: str) -> type[Exception] | None:
+        try:
+            getattr(group, name)
+        except Exception as e:
+            return type(e)
+        return None
+
+    group = object.__new__(index_group.HiSparseMLAIndexGroup)
+    unset = {name: error_reading(group, name) for name in UBATCH_TOPK_FIELDS}
+    assert unset == dict.fromkeys(UBATCH_TOPK_FIELDS, AttributeError)
+
+    group.has_indexer, group.logical_topk_ready = True, index_group._create_event()
+    group.set_logical_topk_ready(0)
+    assert group.logical_topk_ready.recorded_by == 0

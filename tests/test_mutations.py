@@ -38,6 +38,7 @@ V41_TEST = (
     "tests/test_patch_deepseek_v41.py::test_deepseek_v41_reusing_layers_read_their_own_ubatch_state"
 )
 TRACED_TEST = "tests/test_patch_mla.py::test_traced_code_reads_microbatch_0s_group_state"
+UNSET_FIELD_TEST = "tests/test_core.py::test_dbo_ubatch_group_built_without_init_reads_as_stock"
 BACKENDS = "tests/test_sparse_mla_backends.py"
 BACKEND_TEST = f"{BACKENDS}::test_followers_read_their_own_leaders_topk"
 FA3_TEST = f"{BACKEND_TEST}[FLASH_ATTN_MLA_SPARSE-auto-decode-16h]"
@@ -213,6 +214,17 @@ def _replace_text(tree: ast.Module, old: str, new: str) -> int:
 MUTATIONS = {
     "index group always returns microbatch 0's state": edit(
         "core:UbatchTopkField.__get__", "ubatch_id and group.ubatch_topk_states", "False", CORE_TEST
+    ),
+    "an unset group field raises KeyError, not AttributeError": edit(
+        "core:UbatchTopkField.__get__",
+        """try:
+    return group.__dict__[self.slot]
+except KeyError:
+    raise AttributeError(
+        f"{type(group).__name__!r} object has no attribute {self.name!r}"
+    ) from None""",
+        "return group.__dict__[self.slot]",
+        UNSET_FIELD_TEST,
     ),
     "a follower's logical top-k resolves to microbatch 0's buffer": edit(
         "core:resolve_logical_topk", None, "return buffer", CORE_TEST

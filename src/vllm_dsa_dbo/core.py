@@ -104,7 +104,12 @@ class UbatchTopkField:
             ubatch_id = _UBATCH_ID_OF_THREAD.get(threading.get_ident(), 0)
             if ubatch_id and group.ubatch_topk_states:
                 return getattr(group.ubatch_topk_states[ubatch_id - 1], self.name)
-        return group.__dict__[self.slot]
+        try:
+            return group.__dict__[self.slot]
+        except KeyError:  # unset (a group built without __init__): as a plain field
+            raise AttributeError(
+                f"{type(group).__name__!r} object has no attribute {self.name!r}"
+            ) from None
 
     def __set__(self, group: SparseMLAIndexGroup, value: Any) -> None:
         state = topk_state(group)
