@@ -41,7 +41,7 @@ TRANSFORMERS = Path(__file__).parent / "results" / "2026-12-02-trained-model" / 
 # not always the name it was asked about (the name is not graded).
 FLOOR = 0.99
 STOCK_LOSS = 0.5
-# Microbatched forwards each DBO worker must log for its arm to count as DBO (measured: 72-108).
+# Microbatched forwards each DBO worker must log for its arm to count as DBO (measured: 69-111).
 MIN_MICROBATCHED = 50
 
 
