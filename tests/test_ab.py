@@ -91,6 +91,27 @@ def test_lost_gained_and_mcnemar(tmp_path):
     assert "| 0.525 ± 0.080 | 18 / 7 | 12 / 3 | 2.3 | 0.0352 | 40 / 40 |" in text
 
 
+def test_alpha_fails_a_run_that_lost_significantly(tmp_path):
+    ref = [1] * 30 + [0] * 10
+    write_run(tmp_path / "off", {"strict-match": ref})
+    write_run(tmp_path / "same", {"strict-match": ref})
+    write_run(tmp_path / "better", {"strict-match": [1] * 40})  # gained 10
+    write_run(tmp_path / "worse", {"strict-match": [0] * 12 + [1] * 21 + [0] * 7})  # lost 12, 3
+    off, same, better, worse = (str(tmp_path / n) for n in ("off", "same", "better", "worse"))
+    assert cli("ab", off, worse).returncode == 0
+    assert cli("ab", off, same, better, "--alpha", "0.05").returncode == 0
+    result = cli("ab", off, same, worse, "--alpha", "0.05")
+    assert result.returncode == 1
+    assert "| 12 / 3 | 2.3 | 0.0352 |" in result.stdout
+    assert result.stderr == (
+        f"worse than {off} at p < 0.05: {worse} (strict-match): lost 12, gained 3, exact p 0.0352\n"
+    )
+    assert cli("ab", off, worse, "--alpha", "0.01").returncode == 0
+    for bad in ("0", "1.5", "x"):
+        result = cli("ab", off, worse, "--alpha", bad)
+        assert result.returncode == 2 and "--alpha" in result.stderr, bad
+
+
 def test_mcnemar_p_is_the_exact_two_sided_binomial_test():
     """Against the definition (scipy's binomtest): the chance, at 1/2, of every split of the
     discordant pairs no likelier than the one seen."""

@@ -80,6 +80,17 @@ def whole_number(minimum: int):
     return parse
 
 
+def probability(text: str) -> float:
+    """An argparse type: a number in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be above 0 and at most 1, got {text}")
+    return value
+
+
 # status ---------------------------------------------------------------------
 
 
@@ -437,6 +448,15 @@ def ab(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=1))
     else:
         print(table(rows))
+    # z > 0: more questions lost than gained.
+    worse = [
+        f"{r.run} ({r.filter}): lost {r.lost}, gained {r.gained}, exact p {r.mcnemar_p:.3g}"
+        for r in rows
+        if args.alpha is not None and (r.mcnemar_z or 0) > 0 and (r.mcnemar_p or 1) < args.alpha
+    ]
+    if worse:
+        print(f"worse than {rows[0].run} at p < {args.alpha}: " + "; ".join(worse), file=sys.stderr)
+        return 1
     return 0
 
 
@@ -528,6 +548,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--task", default="gsm8k", help="task name in samples_<task>_*.jsonl")
     p.add_argument("--metric", default="exact_match", help="per-sample metric; 1 means right")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
+    p.add_argument(
+        "--alpha",
+        type=probability,
+        help="exit 1 if a run lost more questions than it gained against the reference, "
+        "with McNemar's exact p below ALPHA (e.g. 0.05); without it, exit 0 whatever the figures",
+    )
     p.set_defaults(func=ab)
 
     p = sub.add_parser(
