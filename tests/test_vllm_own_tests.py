@@ -1,7 +1,7 @@
 """vLLM 0.33.0's own tests of what the plugin patches (DBO microbatch slicing
-and threads, the naive DP/EP prepare/finalize under DBO) give the same outcome,
-test by test, with the plugin loaded as stock. Skipped, with the reason, where
-vLLM's sdist is neither cached nor fetchable."""
+and threads, the naive DP/EP prepare/finalize under DBO, the sparse MLA impls' top-k
+buffer and index groups) give the same outcome, test by test, with the plugin loaded
+as stock. Skipped, with the reason, where vLLM's sdist is neither cached nor fetchable."""
 
 from __future__ import annotations
 
@@ -26,3 +26,24 @@ def test_vllm_own_tests_pass_with_the_plugin_as_stock():
     assert plugin and " passed" in plugin_summary, plugin_summary
     assert "failed" not in plugin_summary and "error" not in plugin_summary, plugin_summary
     assert plugin == stock, (stock_summary, plugin_summary)
+
+
+def test_vllm_sparse_mla_tests_pass_on_a_cpu_with_the_plugin_as_stock():
+    """vLLM's tests of the sparse MLA impls and index groups the plugin patches skip
+    themselves without a GPU: those that need none run from a CPU copy of their module."""
+    try:
+        root = vllm_sdist.extract_tests(vllm_sdist.fetch(), vllm_sdist.CACHE / "src")
+    except vllm_sdist.SdistUnavailable as e:
+        pytest.skip(f"vLLM's own tests not run: {e}")
+    runs = vllm_sdist.compare(root, vllm_sdist.sparse_mla_tests_on_cpu(root), workers=2)
+    (stock_summary, stock), (plugin_summary, plugin) = runs["stock"], runs["plugin"]
+    assert plugin == stock, (stock_summary, plugin_summary)
+    passed = [test.rsplit("::", 1)[1] for test, outcome in plugin.items() if outcome == "passed"]
+    assert set(plugin.values()) <= {"passed", "skipped"}, plugin_summary
+    assert sum(test.startswith("test_sparse_mqa_hisparse_lanes[") for test in passed) == 5
+    assert {
+        "test_explicit_topk_buffer_supersedes_indexer",
+        "test_sparse_impl_observes_repointed_indexer_buffer",
+        "test_sparse_mla_common_impl_resolves_buffer_lazily",
+        "test_flashinfer_sm120_hisparse_decode_uses_index_group",
+    } <= set(passed), plugin_summary

@@ -16,7 +16,7 @@ Both trees run at once: on a GPU vLLM's sparse MLA backend tests leave it mostly
 one tree after the other they take longer than one device call may run.
 
 On a CPU vLLM's sparse MLA tests skip themselves; tests/tree_dbo_ubatch.py runs
-the change's test there.
+the change's test there, and `vllm_sdist.sparse_mla_tests_on_cpu` the others that need no GPU.
 """
 
 from __future__ import annotations

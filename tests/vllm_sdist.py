@@ -142,6 +142,38 @@ def extract_tests(sdist: Path, dest: Path) -> Path:
     return root
 
 
+SPARSE_MLA_TESTS = "tests/v1/attention/test_sparse_mla_backends.py"
+SPARSE_MLA_ON_CPU = "tests/v1/attention/test_sparse_mla_backends_on_cpu.py"
+# The module skips itself without CUDA or ROCm, though many of its tests need no GPU. Each
+# edit must match once.
+ON_CPU_EDITS = (
+    ("if not (current_platform.is_cuda() or current_platform.is_rocm()):", "if False:"),
+    ("DEVICE_TYPE = current_platform.device_type", 'DEVICE_TYPE = "cpu"'),
+)
+# Its skip marks read the compute capability at import.
+ON_CPU_PREAMBLE = "import torch\ntorch.cuda.get_device_capability = lambda *a, **k: (9, 0)\n"
+# No per-test GPU cleanup (vLLM's marker for tests that need none).
+ON_CPU_MARK = "\npytestmark = pytest.mark.skip_global_cleanup\n"
+# Its tests of what the plugin and the change touch (the impls' top-k buffer, HiSparse's index
+# groups, the sparse MQA lanes), less three that need a GPU.
+ON_CPU_SELECTION = (
+    "(buffer or hisparse or sparse_mqa) "
+    "and not speculative_rows_as_decodes and not residency_by_state_row"
+)
+
+
+def sparse_mla_tests_on_cpu(root: Path) -> list[str]:
+    """pytest arguments for a copy of vLLM's sparse MLA backend tests, written under `root`,
+    that runs on a CPU the tests of that module that need no GPU."""
+    text = (root / SPARSE_MLA_TESTS).read_text()
+    for old, new in ON_CPU_EDITS:
+        if text.count(old) != 1:
+            raise ValueError(f"{SPARSE_MLA_TESTS} does not hold {old!r} once")
+        text = text.replace(old, new)
+    (root / SPARSE_MLA_ON_CPU).write_text(ON_CPU_PREAMBLE + text + ON_CPU_MARK)
+    return [SPARSE_MLA_ON_CPU, "-k", ON_CPU_SELECTION]
+
+
 # Stock: no plugin loads (VLLM_PLUGINS matches none). With the plugin: registered
 # before collection, and the run stops unless it patched vLLM.
 RUNNERS = {
