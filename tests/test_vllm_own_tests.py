@@ -1,6 +1,6 @@
 """vLLM 0.33.0's own tests of what the plugin patches (DBO microbatch slicing
-and threads, the naive DP/EP prepare/finalize under DBO, the sparse MLA impls' top-k
-buffer and index groups) give the same outcome, test by test, with the plugin loaded
+and threads, the naive DP/EP prepare/finalize under DBO, `sparse_attn_indexer`, the
+sparse MLA impls' top-k buffer and index groups) give the same outcome, test by test, with the plugin loaded
 as stock. Skipped, with the reason, where vLLM's sdist is neither cached nor fetchable."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ VLLM_TESTS = [
     "tests/v1/worker/test_ubatch_offsets.py",
     "tests/v1/worker/test_gpu_ubatch_slicing.py",
     "tests/kernels/moe/test_naive_dp_ep_dbo.py",
+    "tests/v1/attention/test_indexer_tp_row_shard.py",
 ]
 
 
