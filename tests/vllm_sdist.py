@@ -161,6 +161,15 @@ ON_CPU_SELECTION = (
     "and not speculative_rows_as_decodes and not residency_by_state_row"
 )
 
+# Among them, those that build HiSparse index groups with `object.__new__`.
+BARE_HISPARSE_TESTS = {
+    *(
+        f"test_sparse_mqa_hisparse_lanes[{lane}]"
+        for lane in ("resident", "staged", "mixed_resident", "mixed_staged", "decode")
+    ),
+    "test_flashinfer_sm120_hisparse_decode_uses_index_group",
+}
+
 
 def sparse_mla_tests_on_cpu(root: Path) -> list[str]:
     """pytest arguments for a copy of vLLM's sparse MLA backend tests, written under `root`,
