@@ -96,7 +96,7 @@ def fetch(cache: Path = CACHE) -> Path:
     try:
         url, expected = sdist_entry(index)
         cache.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(".part")
+        partial = path.with_suffix(f".part{os.getpid()}")  # test workers may fetch at once
         with urllib.request.urlopen(url, timeout=60) as response, partial.open("wb") as out:
             shutil.copyfileobj(response, out)
     except (OSError, ValueError, KeyError) as e:
@@ -104,7 +104,7 @@ def fetch(cache: Path = CACHE) -> Path:
     if sha256(partial) != expected:
         partial.unlink()
         raise SdistUnavailable(f"{SDIST} from {index} does not match the index's sha256")
-    partial.rename(path)
+    partial.replace(path)
     return path
 
 
@@ -132,13 +132,17 @@ def extract_tests(sdist: Path, dest: Path) -> Path:
     """vLLM's `tests/` tree from `sdist`, under `dest`; returns its parent."""
     root = dest / f"vllm-{VERSION}"
     if not root.is_dir():
-        partial = dest / f"{root.name}.part"
-        shutil.rmtree(partial, ignore_errors=True)
+        dest.mkdir(parents=True, exist_ok=True)
+        # Test workers may extract at once: each into a folder of its own, the first renamed.
+        partial = Path(tempfile.mkdtemp(prefix=f"{root.name}.", dir=dest))
         with tarfile.open(sdist) as tar:
             members = [m for m in tar.getmembers() if m.name.startswith(f"{root.name}/tests/")]
             tar.extractall(partial, members=members, filter="data")
-        (partial / root.name).rename(root)
-        partial.rmdir()
+        try:
+            (partial / root.name).rename(root)
+        except OSError:  # another worker's is there
+            pass
+        shutil.rmtree(partial)
     return root
 
 
