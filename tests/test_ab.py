@@ -110,6 +110,11 @@ def test_alpha_fails_a_run_that_lost_significantly(tmp_path):
     for bad in ("0", "1.5", "x"):
         result = cli("ab", off, worse, "--alpha", bad)
         assert result.returncode == 2 and "--alpha" in result.stderr, bad
+    # A loss this large has an exact p below the smallest float: 0.0, still below alpha.
+    write_run(tmp_path / "big_off", {"strict-match": [1] * 1100})
+    write_run(tmp_path / "big_on", {"strict-match": [0] * 1100})
+    result = cli("ab", str(tmp_path / "big_off"), str(tmp_path / "big_on"), "--alpha", "0.05")
+    assert result.returncode == 1 and "lost 1100, gained 0, exact p 0\n" in result.stderr
 
 
 def test_mcnemar_p_is_the_exact_two_sided_binomial_test():

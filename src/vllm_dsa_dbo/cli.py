@@ -435,7 +435,7 @@ AB_HOWTO = (
 def ab(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
-    from vllm_dsa_dbo.ab import ABError, compare, load_runs, table
+    from vllm_dsa_dbo.ab import ABError, compare, load_runs, mcnemar_p, table
 
     if len(args.runs) < 2:
         raise UsageError("give two or more lm_eval runs: --output_path folders or samples files")
@@ -448,11 +448,14 @@ def ab(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=1))
     else:
         print(table(rows))
-    # z > 0: more questions lost than gained.
     worse = [
         f"{r.run} ({r.filter}): lost {r.lost}, gained {r.gained}, exact p {r.mcnemar_p:.3g}"
         for r in rows
-        if args.alpha is not None and (r.mcnemar_z or 0) > 0 and (r.mcnemar_p or 1) < args.alpha
+        if args.alpha is not None
+        and r.lost is not None
+        and r.gained is not None
+        and r.lost > r.gained
+        and mcnemar_p(r.lost, r.gained) < args.alpha
     ]
     if worse:
         print(f"worse than {rows[0].run} at p < {args.alpha}: " + "; ".join(worse), file=sys.stderr)
