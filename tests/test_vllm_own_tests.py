@@ -6,6 +6,8 @@ neither cached nor fetchable."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 import vllm_sdist
@@ -18,11 +20,16 @@ VLLM_TESTS = [
 ]
 
 
-def test_vllm_own_tests_pass_with_the_plugin_as_stock():
+@pytest.fixture
+def root() -> Path:
+    """vLLM's tests from its sdist, run against the installed vLLM."""
     try:
-        root = vllm_sdist.extract_tests(vllm_sdist.fetch(), vllm_sdist.CACHE / "src")
+        return vllm_sdist.extract_tests(vllm_sdist.fetch(), vllm_sdist.CACHE / "src")
     except vllm_sdist.SdistUnavailable as e:
         pytest.skip(f"vLLM's own tests not run: {e}")
+
+
+def test_vllm_own_tests_pass_with_the_plugin_as_stock(root):
     runs = vllm_sdist.compare(root, VLLM_TESTS, workers=2)
     (stock_summary, stock), (plugin_summary, plugin) = runs["stock"], runs["plugin"]
     assert plugin and " passed" in plugin_summary, plugin_summary
@@ -30,13 +37,9 @@ def test_vllm_own_tests_pass_with_the_plugin_as_stock():
     assert plugin == stock, (stock_summary, plugin_summary)
 
 
-def test_vllm_sparse_mla_tests_pass_on_a_cpu_with_the_plugin_as_stock():
+def test_vllm_sparse_mla_tests_pass_on_a_cpu_with_the_plugin_as_stock(root):
     """vLLM's tests of the sparse MLA impls and index groups the plugin patches skip
     themselves without a GPU: those that need none run from a CPU copy of their module."""
-    try:
-        root = vllm_sdist.extract_tests(vllm_sdist.fetch(), vllm_sdist.CACHE / "src")
-    except vllm_sdist.SdistUnavailable as e:
-        pytest.skip(f"vLLM's own tests not run: {e}")
     runs = vllm_sdist.compare(root, vllm_sdist.sparse_mla_tests_on_cpu(root), workers=2)
     (stock_summary, stock), (plugin_summary, plugin) = runs["stock"], runs["plugin"]
     assert plugin == stock, (stock_summary, plugin_summary)
