@@ -15,6 +15,9 @@ from vllm_dsa_dbo.demo import use_cpu
 use_cpu()
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HUMMING_DISABLE_PARALLEL_BUILD", "1")
+# Each xdist worker has a core: one torch thread in it and in what it starts, not one per core.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from vllm_dsa_dbo import cpu_dbo  # noqa: E402
 
