@@ -435,7 +435,7 @@ AB_HOWTO = (
 def ab(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
-    from vllm_dsa_dbo.ab import ABError, compare, load_runs, mcnemar_p, table
+    from vllm_dsa_dbo.ab import ABError, compare, load_runs, table
 
     if len(args.runs) < 2:
         raise UsageError("give two or more lm_eval runs: --output_path folders or samples files")
@@ -449,13 +449,12 @@ def ab(args: argparse.Namespace) -> int:
     else:
         print(table(rows))
     worse = [
-        f"{r.run} ({r.filter}): lost {r.lost}, gained {r.gained}, exact p {r.mcnemar_p:.3g}"
+        f"{r.run} ({r.filter}): lost {r.lost}, gained {r.gained}, exact p {p:.3g}"
         for r in rows
         if args.alpha is not None
-        and r.lost is not None
-        and r.gained is not None
+        and (p := r.mcnemar_p) is not None  # None: the reference itself
         and r.lost > r.gained
-        and mcnemar_p(r.lost, r.gained) < args.alpha
+        and p < args.alpha
     ]
     if worse:
         print(f"worse than {rows[0].run} at p < {args.alpha}: " + "; ".join(worse), file=sys.stderr)
