@@ -10,6 +10,8 @@
 #   validation/upstream_tests.sh [PYTEST_ARGS]
 # PYTEST_ARGS (e.g. -k "not correctness") narrow vLLM's test_sparse_mla_backends.py. VLLM_DSA_DBO_SDIST names the sdist (default .vllm-sdist/vllm-0.33.0.tar.gz here);
 # the trees go to VLLM_DSA_DBO_TREES (default /tmp/vllm-dsa-dbo-trees).
+# Without the Hub, the cases that read DeepSeek-V2-Lite-Chat's config take a stand-in:
+#   HF_HUB_OFFLINE=1 HF_HUB_CACHE=$PWD/validation/hf-stand-ins validation/upstream_tests.sh ...
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -f /tmp/gpu/env.sh ] && . /tmp/gpu/env.sh
