@@ -15,7 +15,6 @@ import re
 import shutil
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from importlib.metadata import version
 from pathlib import Path
 
@@ -418,27 +417,29 @@ def test_out_that_cannot_be_written_is_an_error(released, tmp_path):
 
 def test_released_tree_patched_runs_vllms_sparse_mla_tests_unchanged(tmp_path):
     """The whole sdist patched: vLLM's tests of the files the change edits that need no GPU
-    (the CPU copy of its sparse MLA tests) give the same outcomes in both trees. With the
-    change's fields given no class-level default, vLLM's HiSparse tests there fail, as they
+    (the CPU copy of its sparse MLA tests) give the same outcomes as in the released tree. With
+    the change's fields given no class-level default, vLLM's HiSparse tests there fail, as they
     did on a GPU."""
     try:
-        unpatched, patched = upstream_tree.prepare(tmp_path)
+        tree = upstream_tree.extract_tree(vllm_sdist.fetch(), tmp_path)
     except vllm_sdist.SdistUnavailable as e:
         pytest.skip(f"vLLM's sdist not available: {e}")
-    assert upstream_tree.imports_from(patched) == str(patched / "vllm" / "__init__.py")
+    # The released sources are the installed vLLM's: the released tree's tests run against it,
+    # forked from a process that imported it.
+    assert upstream_tree.sources_differing_from_installed(tree) == []
+    _, before = vllm_sdist.run(tree, vllm_sdist.sparse_mla_tests_on_cpu(tree), "stock")
+    assert upstream_tree.patch_tree(tree).returncode == 0
+    assert upstream_tree.sources_differing_from_installed(tree) == sorted(
+        p for p in upstream.EDITS if p.startswith("vllm/")
+    )
+    assert upstream_tree.imports_from(tree) == str(tree / "vllm" / "__init__.py")
 
-    with ThreadPoolExecutor(2) as pool:
-        (_, before), (summary, after) = pool.map(
-            lambda root: upstream_tree.run(root, vllm_sdist.sparse_mla_tests_on_cpu(root)),
-            (unpatched, patched),
-        )
+    summary, after = upstream_tree.run(tree, vllm_sdist.sparse_mla_tests_on_cpu(tree))
     assert after and set(after.values()) <= {"passed", "skipped"}, summary
     assert after == before and "passed" in after.values(), summary
 
-    text = (patched / INDEX_GROUP).read_text()
-    (patched / INDEX_GROUP).write_text(
-        text.replace("] = ()\n", "] = field(default_factory=list)\n")
-    )
-    summary, mutated = upstream_tree.run(patched, vllm_sdist.sparse_mla_tests_on_cpu(patched))
+    text = (tree / INDEX_GROUP).read_text()
+    (tree / INDEX_GROUP).write_text(text.replace("] = ()\n", "] = field(default_factory=list)\n"))
+    summary, mutated = upstream_tree.run(tree, vllm_sdist.sparse_mla_tests_on_cpu(tree))
     failed = {t.rsplit("::", 1)[1] for t, outcome in mutated.items() if outcome == "failure"}
     assert failed == vllm_sdist.BARE_HISPARSE_TESTS, summary

@@ -78,6 +78,18 @@ def link_installed(installed: Path, tree: Path) -> None:
             link_installed(entry, mirror)
 
 
+def sources_differing_from_installed(root: Path) -> list[str]:
+    """The Python files of the tree's `vllm/` (links aside) that differ from the installed
+    vLLM's, as paths from `root`."""
+    installed = installed_vllm()
+    return sorted(
+        str(path.relative_to(root))
+        for path in (root / "vllm").rglob("*.py")
+        if not path.is_symlink()
+        and path.read_bytes() != (installed / path.relative_to(root / "vllm")).read_bytes()
+    )
+
+
 def patch_tree(root: Path) -> subprocess.CompletedProcess:
     """`vllm-dsa-dbo upstream-patch root`, its output captured."""
     return subprocess.run(

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+import fresh
 
 # One worker's snapshot over a GLM-5-shaped stack of vLLM's sparse MLA layers, built as
 # `register()` leaves vLLM under the environment of the run.
@@ -48,14 +48,7 @@ def probe(phase: str) -> dict:
         "VLLM_DSA_DBO_CHECK": "audit",
         "VLLM_DSA_DBO_DISABLE": "stock" if phase == "stock" else "",
     }
-    result = subprocess.run(
-        [sys.executable, "-c", PROBE, phase],
-        cwd=Path(__file__).parent,  # the harness's package
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = fresh.python(["-c", PROBE, phase], env, cwd=Path(__file__).parent, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     line = next(s for s in result.stdout.splitlines() if s.startswith("SNAPSHOT "))
     return json.loads(line.removeprefix("SNAPSHOT "))
