@@ -10,6 +10,7 @@ so that one server serves them all.
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import importlib
 import multiprocessing
@@ -61,6 +62,7 @@ _server_env: dict[str, str] | None = None
 # In a run: the connection its own runs are asked for on, to the process that started it.
 _starter: multiprocessing.connection.Connection | None = None
 _starter_lock = threading.Lock()
+DUMP_AHEAD = 10  # seconds
 
 
 def _fixed(env: dict[str, str]) -> dict[str, str]:
@@ -85,7 +87,9 @@ def exit_code(code: object) -> int:
     return 1
 
 
-def _run(args: list[str], env: dict[str, str], cwd: str, out: str, err: str, starter) -> None:
+def _run(
+    args: list[str], env: dict[str, str], cwd: str, out: str, err: str, starter, timeout
+) -> None:
     """In the forked child: `python ARGS` as a fresh interpreter would run it."""
     global _starter
     _starter = starter
@@ -96,6 +100,9 @@ def _run(args: list[str], env: dict[str, str], cwd: str, out: str, err: str, sta
         opened = os.open(path, os.O_WRONLY)
         os.dup2(opened, fd)
         os.close(opened)
+    if timeout is not None:
+        # Where a run that will time out is stuck, in its stderr before the starter kills it.
+        faulthandler.dump_traceback_later(max(timeout - DUMP_AHEAD, 1))
     flag, target, *rest = args
     pythonpath = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     sys.path[:0] = [cwd if flag == "-m" else "", *pythonpath]
@@ -141,10 +148,16 @@ def python(
         out.touch()
         err.touch()
         here, there = context.Pipe()
-        process = context.Process(target=_run, args=(args, env, where, str(out), str(err), there))
+        process = context.Process(
+            target=_run, args=(args, env, where, str(out), str(err), there, timeout)
+        )
         process.start()
         there.close()
-        _serve(process, here, timeout, command)
+        try:
+            _serve(process, here, timeout, command)
+        except subprocess.TimeoutExpired:
+            sys.stderr.write(err.read_text(errors="replace")[-20_000:])
+            raise
         stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
     return subprocess.CompletedProcess(command, process.exitcode, stdout, stderr)
 

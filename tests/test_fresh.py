@@ -4,7 +4,10 @@ fork from the server where they can."""
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+
+import pytest
 
 import fresh
 
@@ -56,3 +59,10 @@ def test_a_runs_own_run_forks_from_the_same_server():
     assert result.returncode == 0, result.stderr
     outer, inner, started_none = result.stdout.split()
     assert (inner, started_none) == (outer, "True"), result.stdout
+
+
+def test_a_run_that_times_out_leaves_where_it_was_stuck(capsys):
+    stuck = "import threading\ndef stuck_here():\n    threading.Event().wait()\nstuck_here()\n"
+    with pytest.raises(subprocess.TimeoutExpired):
+        fresh.python(["-c", stuck], dict(os.environ), timeout=fresh.DUMP_AHEAD + 1)
+    assert 'line 3 in stuck_here\n  File "<string>", line 4 in <module>' in capsys.readouterr().err
