@@ -17,6 +17,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import runpy
+import signal
 import subprocess
 import sys
 import tempfile
@@ -62,7 +63,6 @@ _server_env: dict[str, str] | None = None
 # In a run: the connection its own runs are asked for on, to the process that started it.
 _starter: multiprocessing.connection.Connection | None = None
 _starter_lock = threading.Lock()
-DUMP_AHEAD = 10  # seconds
 
 
 def _fixed(env: dict[str, str]) -> dict[str, str]:
@@ -87,9 +87,7 @@ def exit_code(code: object) -> int:
     return 1
 
 
-def _run(
-    args: list[str], env: dict[str, str], cwd: str, out: str, err: str, starter, timeout
-) -> None:
+def _run(args: list[str], env: dict[str, str], cwd: str, out: str, err: str, starter) -> None:
     """In the forked child: `python ARGS` as a fresh interpreter would run it."""
     global _starter
     _starter = starter
@@ -100,9 +98,7 @@ def _run(
         opened = os.open(path, os.O_WRONLY)
         os.dup2(opened, fd)
         os.close(opened)
-    if timeout is not None:
-        # Where a run that will time out is stuck, in its stderr before the starter kills it.
-        faulthandler.dump_traceback_later(max(timeout - DUMP_AHEAD, 1))
+    faulthandler.enable()  # a run that times out is aborted: where it was stuck, in its stderr
     flag, target, *rest = args
     pythonpath = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     sys.path[:0] = [cwd if flag == "-m" else "", *pythonpath]
@@ -148,9 +144,7 @@ def python(
         out.touch()
         err.touch()
         here, there = context.Pipe()
-        process = context.Process(
-            target=_run, args=(args, env, where, str(out), str(err), there, timeout)
-        )
+        process = context.Process(target=_run, args=(args, env, where, str(out), str(err), there))
         process.start()
         there.close()
         try:
@@ -170,6 +164,8 @@ def _serve(process, connection, timeout: float | None, command: list[str]) -> No
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         ready = multiprocessing.connection.wait(waiting, left)
         if not ready:
+            os.kill(process.pid, signal.SIGABRT)
+            process.join(30)
             process.kill()
             process.join()
             raise subprocess.TimeoutExpired(command, timeout)

@@ -64,5 +64,5 @@ def test_a_runs_own_run_forks_from_the_same_server():
 def test_a_run_that_times_out_leaves_where_it_was_stuck(capsys):
     stuck = "import threading\ndef stuck_here():\n    threading.Event().wait()\nstuck_here()\n"
     with pytest.raises(subprocess.TimeoutExpired):
-        fresh.python(["-c", stuck], dict(os.environ), timeout=fresh.DUMP_AHEAD + 5)
+        fresh.python(["-c", stuck], dict(os.environ), timeout=5)
     assert 'line 3 in stuck_here\n  File "<string>", line 4 in <module>' in capsys.readouterr().err
