@@ -70,15 +70,11 @@ def patched_tree(released: Path, root: Path, link: bool = False) -> Path:
     return tree
 
 
-def digest(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
 def snapshot(root: Path) -> dict[str, str]:
     """Each file's digest: a failed comparison lists the paths, not the files (pytest's CI mode
     diffs whole values)."""
     return {
-        str(p.relative_to(root)): digest(p.read_bytes())
+        str(p.relative_to(root)): vllm_sdist.sha256(p)
         for p in root.rglob("*")
         if p.is_file() and not p.is_symlink()
     }
@@ -288,7 +284,10 @@ def test_diff_applies_with_git_and_dry_run_writes_nothing(released, tmp_path, ca
     assert snapshot(tree) == before
     assert snapshot(out) == {
         **before,
-        **{p: digest(new.encode()) for p, (_, new) in upstream.plan(tree).items()},
+        **{
+            p: hashlib.sha256(new.encode()).hexdigest()
+            for p, (_, new) in upstream.plan(tree).items()
+        },
     }
 
 

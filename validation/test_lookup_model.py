@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from dsa_dbo_harness.trained import (
     write_lookup_tokenizer,
 )
 from vllm_dsa_dbo.diagnostics.layout import leader_mask
+from vllm_sdist import sha256
 
 MODEL = Path(__file__).parent / "kv_lookup" / "model"
 SAMPLE = held_out()[::25]  # 20 of the 500; all 500 took 9 min here (validation/results)
@@ -60,17 +60,12 @@ def test_answers_are_the_facts_and_held_out():
     assert not seen & {doc["question"] for doc in questions}
 
 
-def digest(path: Path) -> str:
-    """A file's sha256: where CI is set, pytest diffs a failed comparison's whole values."""
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def test_tokenizer_is_exact_and_prompts_stay_within_index_topk(tokenizer_dir):
     from transformers import AutoTokenizer
     from vllm.tokenizers.registry import get_tokenizer
 
     for name in ("tokenizer.json", "tokenizer_config.json"):  # the checkpoint's, written again
-        assert digest(tokenizer_dir / name) == digest(MODEL / name)
+        assert sha256(tokenizer_dir / name) == sha256(MODEL / name)  # no diff of whole files
     hf = AutoTokenizer.from_pretrained(tokenizer_dir)
     served = get_tokenizer(str(tokenizer_dir))
     for tokenizer in (hf, served):
@@ -106,7 +101,7 @@ def test_the_same_command_trains_the_same_checkpoint(tmp_path):
     finally:
         torch.use_deterministic_algorithms(False)
     for name in ("model.safetensors", "config.json", "tokenizer.json"):
-        assert digest(tmp_path / "a" / name) == digest(tmp_path / "b" / name)
+        assert sha256(tmp_path / "a" / name) == sha256(tmp_path / "b" / name)
 
 
 def test_checkpoint_answers_held_out_questions():
