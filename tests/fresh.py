@@ -2,14 +2,17 @@
 
 Most of such a run goes to importing torch and vLLM: it is forked by multiprocessing's
 forkserver from a server that imported them once (`PRELOAD`; never this package, so the run
-imports the copy its PYTHONPATH names). A run whose environment differs from the server's in
-more than what is read only when used (`LAZY`) runs as a real subprocess. A run's own runs
-(a test of a subprocess, run on a mutated copy) are asked of the process that started it,
-so that one server serves them all.
+imports the copy its PYTHONPATH names). A run whose PYTHONPATH names a vLLM source tree forks
+from a second server that imported only what vLLM imports (`THIRD_PARTY`), so that it imports
+the tree's vLLM; multiprocessing keeps one server per process, so a spawned worker holds it.
+A run whose environment differs from the server's in more than what is read only when used
+(`LAZY`) runs as a real subprocess. A run's own runs (a test of a subprocess, run on a mutated
+copy) are asked of the process that started it, so that one server serves them all.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import faulthandler
 import gc
 import importlib
@@ -26,11 +29,23 @@ import time
 import traceback
 from pathlib import Path
 
-# What every run imports first; none imports the package under test or starts a thread.
-PRELOAD = [
+# What importing vLLM imports that takes longest, none of it vLLM's: what a run in a vLLM tree
+# imports first. A module missing here costs only time.
+THIRD_PARTY = [
+    "cutlass",
     "flashinfer.decode",
     "pytest",
     "torch",
+    "torch._inductor.lowering",
+    "torch.distributed.checkpoint",
+    "transformers",
+    "transformers.models.auto.modeling_auto",
+    "transformers.processing_utils",
+]
+# What every other run imports first; none of either list imports the package under test or
+# starts a thread.
+PRELOAD = [
+    *THIRD_PARTY,
     "vllm.config",
     "vllm.distributed",
     "vllm.forward_context",
@@ -42,6 +57,8 @@ PRELOAD = [
     "vllm.v1.attention.backends.mla.index_group",
     "vllm.v1.worker.ubatching",
 ]
+# Set in the worker that holds the tree server, and so in that server and its runs.
+TREES = "TESTS_FRESH_TREES"
 # Read only when used: by the import system, pytest, vLLM's plugin loader, the package, and
 # Humming's kernel builds (none of PRELOAD imports Humming).
 LAZY = (
@@ -50,19 +67,24 @@ LAZY = (
     "VLLM_PLUGINS",
     "VLLM_DSA_DBO_",
     "HUMMING_DISABLE_PARALLEL_BUILD",
+    TREES,
 )
 
-# Here too: importing some of it sets variables, which the server's environment then has. The
-# server imports this module last: its preloaded heap is then out of the collector's sight, in
-# every run (pytest collects at exit; a run would walk all of torch's and vLLM's objects).
-for _name in PRELOAD:
-    importlib.import_module(_name)
+# Here too (not in the tree worker or its server, which must not import vLLM): importing some
+# of it sets variables, which the server's environment then has. A server imports this module
+# last: its preloaded heap is then out of the collector's sight, in every run (pytest collects
+# at exit; a run would walk all of torch's and vLLM's objects).
+if multiprocessing.parent_process() is None and TREES not in os.environ:
+    for _name in PRELOAD:
+        importlib.import_module(_name)
 gc.freeze()
 
 _server_env: dict[str, str] | None = None
 # In a run: the connection its own runs are asked for on, to the process that started it.
 _starter: multiprocessing.connection.Connection | None = None
 _starter_lock = threading.Lock()
+_trees: concurrent.futures.ProcessPoolExecutor | None = None
+_trees_lock = threading.Lock()
 
 
 def _fixed(env: dict[str, str]) -> dict[str, str]:
@@ -75,8 +97,31 @@ def _context() -> multiprocessing.context.BaseContext:
     context = multiprocessing.get_context("forkserver")
     if _server_env is None:
         _server_env = _fixed(dict(os.environ))
-        context.set_forkserver_preload([*PRELOAD, __name__])
+        preload = THIRD_PARTY if TREES in os.environ else PRELOAD
+        context.set_forkserver_preload([*preload, __name__])
     return context
+
+
+def _in_tree(env: dict[str, str]) -> bool:
+    """Whether the run imports vLLM from a source tree on its PYTHONPATH."""
+    path = env.get("PYTHONPATH", "").split(os.pathsep)
+    return TREES not in os.environ and any(p and Path(p, "vllm").is_dir() for p in path)
+
+
+def _tree_worker() -> concurrent.futures.ProcessPoolExecutor:
+    """The spawned worker that holds the tree server, in this process's environment."""
+    global _trees
+    with _trees_lock:
+        if _trees is None:
+            _trees = concurrent.futures.ProcessPoolExecutor(1, multiprocessing.get_context("spawn"))
+            _trees.submit(_hold_trees, dict(os.environ)).result()
+    return _trees
+
+
+def _hold_trees(env: dict[str, str]) -> None:
+    # Clears too what C libraries set behind os.environ's back, which the spawn passed on.
+    os.environ.clear()
+    os.environ.update(env, **{TREES: "1"})
 
 
 def exit_code(code: object) -> int:
@@ -133,6 +178,8 @@ def python(
         if isinstance(answer, BaseException):
             raise answer
         return answer
+    if _in_tree(env):
+        return _tree_worker().submit(python, args, env, cwd, timeout).result()
     command = [sys.executable, *args]
     context = _context()
     if _fixed(env) != _server_env:

@@ -32,6 +32,14 @@ def test_the_package_on_the_runs_pythonpath_is_the_one_imported(tmp_path):
     assert (result.returncode, result.stdout) == (0, "the copy\n"), result.stderr
 
 
+def test_a_run_in_a_vllm_tree_imports_its_vllm_and_forks_from_torch(tmp_path):
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text("print('the tree')\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    result = fresh.python(["-c", "import sys, vllm; print('torch' in sys.modules)"], env)
+    assert (result.returncode, result.stdout) == (0, "the tree\nTrue\n"), result.stderr
+
+
 def test_argv_cwd_exit_codes_and_tracebacks_are_a_fresh_interpreters(tmp_path):
     env = dict(os.environ)
     code = "import os, sys; print(sys.argv, os.getcwd()); sys.exit(sys.argv[1])"

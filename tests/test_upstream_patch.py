@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+import fresh
 import upstream_tree
 import vllm_sdist
 from test_cli import cli
@@ -89,14 +90,8 @@ def run_new_test(root: Path) -> subprocess.CompletedProcess:
         "VLLM_PLUGINS": "",
     }
     # In that one process: this repository's pytest settings would start two workers.
-    return subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", str(RUNNER)],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    args = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", str(RUNNER)]
+    return fresh.python(args, env, cwd=root)
 
 
 def test_new_test_passes_in_the_patched_tree(released, tmp_path):
@@ -232,9 +227,7 @@ def test_plugin_in_a_patched_tree_retires_only_what_the_tree_carries(released, t
     env = {k: v for k, v in upstream_tree.tree_env(tree).items() if not k.startswith("VLLM_")}
 
     def run(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [sys.executable, *args], cwd=tree, env=env, capture_output=True, text=True
-        )
+        return fresh.python(list(args), env, cwd=tree)
 
     result = run("-c", IN_TREE)
     line = next((x for x in result.stdout.splitlines() if x.startswith("TREE ")), None)

@@ -206,9 +206,7 @@ def run(
 ) -> tuple[str, dict[str, str]]:
     """One pytest run of vLLM's tests under `root`: its summary line and each test's outcome.
 
-    A run with a PYTHONPATH of its own (a vLLM source tree first) is a fresh interpreter;
-    one of the installed vLLM forks, where it can, from an interpreter that imported it
-    (fresh.py).
+    Each run is a fresh interpreter (fresh.py).
     """
     import fresh  # imports torch and vLLM (not needed to fetch), setting variables of theirs
 
@@ -220,12 +218,7 @@ def run(
         report = Path(tmp) / "report.xml"
         command = ["-c", RUNNERS[mode], "-q", "-p", "no:cacheprovider", f"--junitxml={report}"]
         command += args
-        if env.get("PYTHONPATH") == os.environ.get("PYTHONPATH"):
-            result = fresh.python(command, env, cwd=root, timeout=None)
-        else:
-            result = subprocess.run(
-                [sys.executable, *command], cwd=root, env=env, capture_output=True, text=True
-            )
+        result = fresh.python(command, env, cwd=root, timeout=None)
         lines = result.stdout.strip().splitlines() or [result.stderr.strip()[-2000:]]
         if not report.is_file():
             return f"{mode}: no report ({lines[-1]})", {}
