@@ -119,7 +119,7 @@ def _tree_worker() -> concurrent.futures.ProcessPoolExecutor:
 
 
 def _hold_trees(env: dict[str, str]) -> None:
-    # Clears too what C libraries set behind os.environ's back, which the spawn passed on.
+    # Clears too what was set outside os.environ (COLUMNS, LINES), which the spawn passed on.
     os.environ.clear()
     os.environ.update(env, **{TREES: "1"})
 
