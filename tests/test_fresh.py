@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -24,20 +25,22 @@ def test_a_run_with_its_own_environment_is_a_real_subprocess():
     assert (result.returncode, result.stdout) == (0, "[]\n"), result.stderr
 
 
+def run_with_stand_in(root: Path, package: str, code: str) -> subprocess.CompletedProcess:
+    """`code` in a run whose PYTHONPATH holds `root`, where `package` prints its folder's name."""
+    (root / package).mkdir(parents=True)
+    (root / package / "__init__.py").write_text(f"print({root.name!r})\n")
+    return fresh.python(["-c", code], {**os.environ, "PYTHONPATH": str(root)})
+
+
 def test_the_package_on_the_runs_pythonpath_is_the_one_imported(tmp_path):
-    (tmp_path / "vllm_dsa_dbo").mkdir()
-    (tmp_path / "vllm_dsa_dbo" / "__init__.py").write_text("print('the copy')\n")
-    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
-    result = fresh.python(["-c", "import vllm_dsa_dbo"], env)
-    assert (result.returncode, result.stdout) == (0, "the copy\n"), result.stderr
+    result = run_with_stand_in(tmp_path / "copy", "vllm_dsa_dbo", "import vllm_dsa_dbo")
+    assert (result.returncode, result.stdout) == (0, "copy\n"), result.stderr
 
 
 def test_a_run_in_a_vllm_tree_imports_its_vllm_and_forks_from_torch(tmp_path):
-    (tmp_path / "vllm").mkdir()
-    (tmp_path / "vllm" / "__init__.py").write_text("print('the tree')\n")
-    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
-    result = fresh.python(["-c", "import sys, vllm; print('torch' in sys.modules)"], env)
-    assert (result.returncode, result.stdout) == (0, "the tree\nTrue\n"), result.stderr
+    code = "import sys, vllm; print('torch' in sys.modules)"
+    result = run_with_stand_in(tmp_path / "tree", "vllm", code)
+    assert (result.returncode, result.stdout) == (0, "tree\nTrue\n"), result.stderr
 
 
 def test_argv_cwd_exit_codes_and_tracebacks_are_a_fresh_interpreters(tmp_path):
