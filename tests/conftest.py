@@ -1,16 +1,18 @@
+"""The suite's fixtures. They import torch and vLLM only when used: xdist's controller, which
+runs no test, loads this file too."""
+
 import importlib
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 
 import pytest
 
-from vllm_dsa_dbo import cpu_dbo
-
 
 @pytest.fixture(scope="session")
 def vllm_env():
     """The plugin applied, a CPU vLLM config and a one-rank gloo world."""
     import vllm_dsa_dbo
+    from vllm_dsa_dbo import cpu_dbo
 
     vllm_dsa_dbo.register()
     with cpu_dbo.cpu_vllm() as config:
@@ -19,6 +21,8 @@ def vllm_env():
 
 @pytest.fixture
 def fake_gpu(vllm_env):
+    from vllm_dsa_dbo import cpu_dbo
+
     with cpu_dbo.fake_streams():
         yield vllm_env
 
