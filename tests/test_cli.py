@@ -58,12 +58,29 @@ GLM = '"architectures": ["GlmMoeDsaForCausalLM"]'
 GLM_SIZE = '"num_hidden_layers": 78, "index_topk": 2048'
 
 
+# A fresh interpreter's import of MODULE is noted and refused: a run that would import it (and
+# vLLM, 20 s) fails at once.
+REFUSE_IMPORT = """
+import sys
+tried = []
+class Refuse:
+    def find_spec(self, name, path=None, target=None):
+        if name == MODULE or name.startswith(MODULE + "."):
+            tried.append(name)
+            raise ImportError(f"{name}: the test refuses this import")
+sys.meta_path.insert(0, Refuse())
+from vllm_dsa_dbo.cli import main
+try:
+    rc = main(sys.argv[1:])
+finally:
+    print(MODULE, "imported:", bool(tried) or MODULE in sys.modules)
+sys.exit(rc)
+"""
+
+
 def cli_without_torch(*args: str, module: str = "torch", **env: str) -> subprocess.CompletedProcess:
-    """`vllm-dsa-dbo ARGS`, then whether it imported `module` (its last stdout line)."""
-    code = (
-        "import sys\nfrom vllm_dsa_dbo.cli import main\ntry:\n    rc = main(sys.argv[1:])\n"
-        f"finally:\n    print('{module} imported:', {module!r} in sys.modules)\nsys.exit(rc)\n"
-    )
+    """`vllm-dsa-dbo ARGS`, then whether it tried to import `module` (its last stdout line)."""
+    code = f"MODULE = {module!r}\n{REFUSE_IMPORT}"
     environ = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
     return subprocess.run(
         [sys.executable, "-c", code, *args],
