@@ -105,7 +105,8 @@ def test_the_same_command_trains_the_same_checkpoint(tmp_path):
 
 
 def test_checkpoint_answers_held_out_questions():
-    completions = answer(MODEL, SAMPLE)
+    # One at a time: on a CPU, one padded batch of 20 took twice the CPU (38 against 19 CPU-s).
+    completions = answer(MODEL, SAMPLE, batch_size=1)
     assert sum(map(exact_match, completions, SAMPLE)) >= 0.95 * len(SAMPLE)
 
 
