@@ -25,7 +25,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tarfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -48,21 +47,22 @@ def installed_vllm() -> Path:
 
 def extract_tree(sdist: Path, dest: Path) -> Path:
     """The sdist's sources under `dest`, with the installed vLLM's other files linked in."""
-    root = dest / f"vllm-{vllm_sdist.VERSION}"
-    with tarfile.open(sdist) as tar:
-        # Each member as its header is read: one pass through the archive.
-        tar.extractall(dest, members=(m for m in tar if vllm_sdist.in_tree(m)), filter="data")
+    top = [p.name for p in vllm_sdist.sources(sdist).iterdir() if p.is_file()]
+    root = extract_files(sdist, dest, ("vllm/", "tests/", *top))
     link_installed(installed_vllm(), root / "vllm")
     return root
 
 
-def extract_files(sdist: Path, dest: Path, prefixes: tuple[str, ...]) -> Path:
-    """The sdist's files whose paths start with one of `prefixes`, under `dest`."""
-    root = dest / f"vllm-{vllm_sdist.VERSION}"
-    wanted = tuple(f"{root.name}/{p}" for p in prefixes)
-    with tarfile.open(sdist) as tar:
-        members = (m for m in tar if m.name.startswith(wanted))
-        tar.extractall(dest, members=members, filter="data")
+def extract_files(sdist: Path, dest: Path, paths: tuple[str, ...]) -> Path:
+    """The sdist's files and folders at `paths` (those it has), copied under `dest`."""
+    source = vllm_sdist.sources(sdist)
+    root = dest / source.name
+    for path in paths:
+        if (source / path).is_dir():
+            shutil.copytree(source / path, root / path, dirs_exist_ok=True)
+        elif (source / path).is_file():
+            (root / path).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source / path, root / path)
     return root
 
 

@@ -130,13 +130,24 @@ def trim(dest: Path) -> Path:
 
 def extract_tests(sdist: Path, dest: Path) -> Path:
     """vLLM's `tests/` tree from `sdist`, under `dest`; returns its parent."""
+    return _extract_once(sdist, dest, f"vllm-{VERSION}/tests/")
+
+
+def sources(sdist: Path) -> Path:
+    """The whole sdist, extracted once into the cache: the root its trees are copied from
+    (copying is a few times cheaper than reading the compressed archive again)."""
+    return _extract_once(sdist, CACHE / "sources", f"vllm-{VERSION}/")
+
+
+def _extract_once(sdist: Path, dest: Path, prefix: str) -> Path:
+    """`sdist`'s members under `prefix`, extracted under `dest` unless they are there."""
     root = dest / f"vllm-{VERSION}"
     if not root.is_dir():
         dest.mkdir(parents=True, exist_ok=True)
         # Test workers may extract at once: each into a folder of its own, the first renamed.
         partial = Path(tempfile.mkdtemp(prefix=f"{root.name}.", dir=dest))
         with tarfile.open(sdist) as tar:
-            members = [m for m in tar.getmembers() if m.name.startswith(f"{root.name}/tests/")]
+            members = (m for m in tar if m.name.startswith(prefix))
             tar.extractall(partial, members=members, filter="data")
         try:
             (partial / root.name).rename(root)
