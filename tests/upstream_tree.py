@@ -48,7 +48,7 @@ def installed_vllm() -> Path:
 def extract_tree(sdist: Path, dest: Path) -> Path:
     """The sdist's sources under `dest`, with the installed vLLM's other files linked in."""
     top = [p.name for p in vllm_sdist.sources(sdist).iterdir() if p.is_file()]
-    root = extract_files(sdist, dest, ("vllm/", "tests/", *top))
+    root = extract_files(sdist, dest, (*vllm_sdist.TREE_FOLDERS, *top))
     link_installed(installed_vllm(), root / "vllm")
     return root
 

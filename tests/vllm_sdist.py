@@ -108,10 +108,14 @@ def fetch(cache: Path = CACHE) -> Path:
     return path
 
 
+# A runnable source tree: these folders of the sdist and its top-level files.
+TREE_FOLDERS = ("vllm/", "tests/")
+
+
 def in_tree(member: tarfile.TarInfo) -> bool:
-    """An sdist member a runnable source tree takes: `vllm/`, `tests/` and the top-level files."""
+    """An sdist member a runnable source tree takes (TREE_FOLDERS, the top-level files)."""
     top = f"vllm-{VERSION}/"
-    return member.name.startswith((f"{top}vllm/", f"{top}tests/")) or (
+    return member.name.startswith(tuple(top + folder for folder in TREE_FOLDERS)) or (
         member.name.count("/") == 1 and member.isfile()
     )
 
