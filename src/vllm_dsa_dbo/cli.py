@@ -30,6 +30,7 @@ from vllm_dsa_dbo.settings import (
     CHECK_ENV,
     DISABLE_ENV,
     REFUSE,
+    RELEASES,
     STOCK,
     SUPPORTED_VLLM,
     EnvValueError,
@@ -100,7 +101,7 @@ def status(args: argparse.Namespace) -> int:
         vllm_version = version("vllm")
     except PackageNotFoundError:
         vllm_version = None
-    # The tests check every patch against the 0.33.0 release; any other vLLM is checked here.
+    # The tests check every patch against each release; any other vLLM is checked here.
     inspect_vllm = vllm_version is not None and (args.check or not unmodified_release())
     if vllm_version is None:
         problems.append("vLLM is not installed")
@@ -113,7 +114,8 @@ def status(args: argparse.Namespace) -> int:
         )
         if not ok:
             problems.append(
-                f"vLLM {vllm_version} is not {SUPPORTED_VLLM}: the plugin patches nothing"
+                f"vLLM {vllm_version} is not a supported release ({SUPPORTED_VLLM}): the "
+                "plugin patches nothing"
             )
             print(f"guard: DBO with a shared-top-k DSA model is refused at {guard_seam()}")
 
@@ -187,12 +189,12 @@ def status(args: argparse.Namespace) -> int:
 
 
 def unmodified_release() -> bool:
-    """The vLLM that imports here is 0.33.0 as published: installed from an index, every
+    """The vLLM that imports here is a supported release as published: installed from an index, every
     Python file as its RECORD lists it (not an edited, locally built or shadowing tree)."""
     dist = distribution("vllm")
     spec = find_spec("vllm")
     if (
-        dist.version != SUPPORTED_VLLM
+        dist.version not in RELEASES
         or dist.read_text("direct_url.json") is not None
         or spec is None
         or spec.origin is None
@@ -495,7 +497,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vllm-dsa-dbo",
         description=(
-            "DSA shared top-k per DBO microbatch for vLLM 0.33.0: check, size, demonstrate."
+            f"DSA shared top-k per DBO microbatch for vLLM {SUPPORTED_VLLM}: check, size, "
+            "demonstrate."
         ),
     )
     sub = parser.add_subparsers(dest="command", required=True)
@@ -505,7 +508,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--check",
         action="store_true",
         help="list the patches and check each against this vLLM's code (imports it: slower); "
-        f"always done for a vLLM other than the {SUPPORTED_VLLM} release",
+        f"always done for a vLLM other than the {SUPPORTED_VLLM} releases",
     )
     p.set_defaults(func=status)
 

@@ -1,4 +1,4 @@
-"""Where the plugin cannot fix shared top-k under DBO (another vLLM version, a 0.33.0
+"""Where the plugin cannot fix shared top-k under DBO (another vLLM version, a supported one
 without its load-time check, the fix turned off), refuse it at config creation and model
 build: a DSA model with shared top-k layers, or HiSparse, under DBO; nothing else."""
 
@@ -9,9 +9,9 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm_dsa_dbo.patches._shared import replace_function
-from vllm_dsa_dbo.settings import SUPPORTED_VLLM, is_supported_vllm
+from vllm_dsa_dbo.settings import RELEASES, SUPPORTED_VLLM, is_supported_vllm
 
-# Config keys by which a vLLM 0.33.0 DSA model hands one layer's top-k to another.
+# Config keys by which a vLLM 0.33.0 or 0.34.0 DSA model hands one layer's top-k to another.
 SHARING_KEYS = (
     "index_topk_freq > 1",
     "an index_topk_pattern with 'S'",
@@ -23,8 +23,8 @@ SHARING_KEYS = (
 _GUARDED = "_vllm_dsa_dbo_guard"
 REMEDY = (
     "Drop --enable-dbo (and --ubatch-size) for this model, or, to run it under DBO, "
-    f"use vllm=={SUPPORTED_VLLM} with vllm-dsa-dbo enabled, which fixes or refuses each "
-    "path (vllm PR #60734 alone fixes only the CUDA deepseek_v32 path)."
+    f"use vLLM {' or '.join(RELEASES)} with vllm-dsa-dbo enabled, which fixes or refuses "
+    "each path (vllm PR #60734 alone fixes only the CUDA deepseek_v32 path)."
 )
 HISPARSE_REFUSAL = (
     "vllm-dsa-dbo: HiSparse cannot run with dual batch overlap, whatever the model's "
@@ -64,7 +64,7 @@ def uses_dbo(parallel_config: Any) -> bool:
 
 
 def refuse_hisparse(vllm_config: Any) -> None:
-    """Raise for HiSparse under DBO, which vLLM 0.33.0 corrupts whatever the layout."""
+    """Raise for HiSparse under DBO, which vLLM corrupts whatever the layout."""
     attention = getattr(vllm_config, "attention_config", None)
     if getattr(attention, "hisparse_config", None) is not None and uses_dbo(
         vllm_config.parallel_config

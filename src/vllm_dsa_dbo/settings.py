@@ -7,7 +7,10 @@ import os
 
 from packaging.version import InvalidVersion, Version
 
-SUPPORTED_VLLM = "0.33.0"
+# The vLLM releases the plugin patches; where a seam differs between them, its Patch
+# record says so.
+RELEASES = ("0.33.0", "0.34.0")
+SUPPORTED_VLLM = " and ".join(RELEASES)
 DISABLE_ENV = "VLLM_DSA_DBO_DISABLE"
 CHECK_ENV = "VLLM_DSA_DBO_CHECK"
 CHECK_MODES = ("raise", "audit")
@@ -60,13 +63,22 @@ def check_mode() -> str | None:
     return env_choice(CHECK_ENV, CHECK_MODES, "turn the checker on")
 
 
-def is_supported_vllm(version: str) -> bool:
-    """0.33.0 and its local builds; never a pre-release or another release."""
+def release_of(version: str) -> str | None:
+    """The release in RELEASES whose seams `version` must fit: that release or a final point
+    release of its series, local builds included; None for a pre-, dev or post-release, or
+    another series."""
     try:
         parsed = Version(version)
     except InvalidVersion:
-        return False
-    return parsed.public == SUPPORTED_VLLM
+        return None
+    if parsed.pre or parsed.dev is not None or parsed.post is not None:
+        return None
+    series = parsed.release[:2]
+    return next((r for r in RELEASES if Version(r).release[:2] == series), None)
+
+
+def is_supported_vllm(version: str) -> bool:
+    return release_of(version) is not None
 
 
 def logger() -> logging.Logger:

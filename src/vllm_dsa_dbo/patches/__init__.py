@@ -1,4 +1,4 @@
-"""The fix's patches of vLLM 0.33.0, one module per patched vLLM module, and how they go on.
+"""The fix's patches of vLLM, one module per patched vLLM module, and how they go on.
 
 Each module defines `PATCH`, its `Patch` record; `status`, docs and tests read the
 records, and the order they go on comes from their `requires`: no list is kept by hand.
@@ -15,7 +15,7 @@ from types import ModuleType
 
 from vllm_dsa_dbo import settings
 from vllm_dsa_dbo.patches._on_import import is_pending, on_first_import
-from vllm_dsa_dbo.patches._shared import Patch
+from vllm_dsa_dbo.patches._shared import Patch, misfit
 
 # The fix's patch modules: every module of this package but the underscored ones.
 NAMES = tuple(sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name[0] != "_"))
@@ -81,7 +81,16 @@ def _outcome(patch: Patch, target: ModuleType, known: dict[str, str | None]) -> 
         for r in patch.requires
         if r in CARRIED
     ]
-    return "needs " + "; ".join(needs) if needs else patch.check(target)
+    if needs:
+        return "needs " + "; ".join(needs)
+    return misfit(patch, target, release()) or patch.check(target)
+
+
+def release() -> str | None:
+    """The supported release whose seams this vLLM must fit (None: none)."""
+    import vllm
+
+    return settings.release_of(vllm.__version__)
 
 
 def diagnose(patches: Iterable[Patch]) -> dict[str, str | None]:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import inspect
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
@@ -24,6 +25,11 @@ class Patch:
     upstream: str
     remove_when: str
     apply: Callable[[ModuleType], None]
+    # Per supported release, the fingerprint (`seam_digest`) of the target's symbols that
+    # `replaces` names: a vLLM whose seam has another is left unpatched, never patched blind.
+    fits: Mapping[str, str] = field(default_factory=dict)
+    # How the seam differs between the releases in `fits`, where it does.
+    differs: str = ""
     # The patches it is wrong without: applied first, and it is left unapplied without them.
     requires: tuple[str, ...] = ()
     # What of the vLLM internals it relies on differs here; None when nothing does.
@@ -33,6 +39,28 @@ class Patch:
     in_tree: Callable[[ModuleType], str | None] = lambda target: None
     # vLLM imports its target on every platform; should that fail off ROCm, it does not matter.
     rocm_only: bool = False
+
+
+def seam_digest(target: ModuleType, replaces: tuple[str, ...]) -> str:
+    """sha256 (16 hex digits) of the source of each of `target`'s symbols that `replaces` names."""
+    digest = hashlib.sha256()
+    for name in sorted({symbol.split(".")[0] for symbol in replaces}):
+        digest.update(inspect.getsource(getattr(target, name)).encode())
+    return digest.hexdigest()[:16]
+
+
+def misfit(patch: Patch, target: ModuleType, release: str | None) -> str | None:
+    """None when `target`'s seam is `release`'s as `patch` was written for it, else what differs."""
+    expected = patch.fits.get(release) if release else None
+    if expected is None:
+        return f"the plugin has no record of vLLM {release}'s {patch.target}"
+    found = seam_digest(target, patch.replaces)
+    if found != expected:
+        return (
+            f"{patch.target} differs from vLLM {release}'s where the patch sets "
+            f"{', '.join(patch.replaces)} (seam sha256 {found}, expected {expected})"
+        )
+    return None
 
 
 def call_after_init(cls: type, hook: Callable[[Any], None]) -> None:

@@ -30,6 +30,7 @@ def apply(target: ModuleType) -> None:
 
 PATCH = Patch(
     name="rocm_dsa_model",
+    fits={"0.34.0": "d768371c0463365a"},
     target="vllm.models.deepseek_v32.amd.model",
     replaces=("DeepseekV32Model.__init__",),
     why=(
