@@ -55,6 +55,8 @@ def _on_rocm() -> bool:
 
 def _import(patch: Patch) -> ModuleType | None:
     """`patch`'s target, or None where it does not matter here."""
+    if not matters(patch):
+        return None
     try:
         return importlib.import_module(patch.target)
     except NotImplementedError:  # vLLM builds no such model here (hy_v4 on XPU)
@@ -84,6 +86,11 @@ def _outcome(patch: Patch, target: ModuleType, known: dict[str, str | None]) -> 
     if needs:
         return "needs " + "; ".join(needs)
     return misfit(patch, target, release()) or patch.check(target)
+
+
+def matters(patch: Patch) -> bool:
+    """Whether `patch` has a seam in this release (Mistral Large 4's first came in 0.34.0)."""
+    return release() in patch.fits
 
 
 def release() -> str | None:
@@ -121,7 +128,7 @@ def apply_all(patches: Iterable[Patch]) -> set[str]:
     patches = list(patches)
     by_name = {patch.name: patch for patch in patches}
     for patch in patches:
-        if patch.target.startswith(MODEL_PACKAGES):
+        if patch.target.startswith(MODEL_PACKAGES) and matters(patch):
             on_first_import(patch.target, functools.partial(_apply, patch, by_name))
             continue
         try:

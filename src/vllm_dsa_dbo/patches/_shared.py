@@ -49,11 +49,9 @@ def seam_digest(target: ModuleType, replaces: tuple[str, ...]) -> str:
     return digest.hexdigest()[:16]
 
 
-def misfit(patch: Patch, target: ModuleType, release: str | None) -> str | None:
+def misfit(patch: Patch, target: ModuleType, release: str) -> str | None:
     """None when `target`'s seam is `release`'s as `patch` was written for it, else what differs."""
-    expected = patch.fits.get(release) if release else None
-    if expected is None:
-        return f"the plugin has no record of vLLM {release}'s {patch.target}"
+    expected = patch.fits[release]
     found = seam_digest(target, patch.replaces)
     if found != expected:
         return (
