@@ -218,7 +218,7 @@ _checker_patch = functools.partial(
 PATCHES = (
     _checker_patch(
         name="isolation_sparse_mla_attention",
-        fits={"0.34.0": "4cccd65d118bfbdc"},
+        fits={"0.33.0": "4ac74d5a29181b8b", "0.34.0": "4cccd65d118bfbdc"},
         target="vllm.model_executor.layers.attention.sparse_mla_attention",
         replaces=(
             "SparseMLACommonImpl.record_logical_topk_ready",
@@ -236,7 +236,7 @@ PATCHES = (
     ),
     _checker_patch(
         name="isolation_index_group",
-        fits={"0.34.0": "ff5c2c403d650a87"},
+        fits={"0.33.0": "e9c375f0fee72ab4", "0.34.0": "ff5c2c403d650a87"},
         target="vllm.v1.attention.backends.mla.index_group",
         replaces=("SparseMLAIndexGroup._convert_once",),
         why=(
@@ -251,7 +251,7 @@ PATCHES = (
     ),
     _checker_patch(
         name="isolation_deepseek_v41_attention",
-        fits={"0.34.0": "16c20ca72f8b3533"},
+        fits={"0.33.0": "ede4698093c56845", "0.34.0": "16c20ca72f8b3533"},
         target="vllm.models.deepseek_v41.attention",
         replaces=("DeepseekV4Attention._sparse_indexer_and_attn",),
         why=(

@@ -55,7 +55,7 @@ def _checking(name: str) -> Callable[[ModuleType], None]:
 
 BASE_LOADER = Patch(
     name="base_loader",
-    fits={"0.34.0": "a4180e8e9bb7a6ef"},
+    fits={"0.33.0": "a4180e8e9bb7a6ef", "0.34.0": "a4180e8e9bb7a6ef"},
     target="vllm.model_executor.model_loader.utils",
     replaces=("initialize_model",),
     why=(
@@ -93,7 +93,7 @@ BASE_LOADER = Patch(
 )
 TENSORIZER = Patch(
     name="tensorizer",
-    fits={"0.34.0": "4edd4d350828a1dd"},
+    fits={"0.33.0": "4edd4d350828a1dd", "0.34.0": "4edd4d350828a1dd"},
     target="vllm.model_executor.model_loader.tensorizer",
     replaces=("init_tensorizer_model",),
     why=(

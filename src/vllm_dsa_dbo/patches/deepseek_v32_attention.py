@@ -44,7 +44,7 @@ def apply(target: ModuleType) -> None:
 
 PATCH = Patch(
     name="deepseek_v32_attention",
-    fits={"0.34.0": "2aa48782dee21fec"},
+    fits={"0.33.0": "d3f26c9a34c0b99d", "0.34.0": "2aa48782dee21fec"},
     target="vllm.models.deepseek_v32.attention",
     replaces=(
         "DeepseekV32Attention.__init__",

@@ -41,7 +41,7 @@ def apply(target: ModuleType) -> None:
 
 PATCH = Patch(
     name="deepseek_v41_attention",
-    fits={"0.34.0": "566eaf588f8bc639"},
+    fits={"0.33.0": "ad7a241994480ad4", "0.34.0": "566eaf588f8bc639"},
     target="vllm.models.deepseek_v41.attention",
     replaces=(
         "DeepseekV4Attention.topk_indices_buffer",

@@ -72,7 +72,7 @@ def apply(target: ModuleType) -> None:
 
 PATCH = Patch(
     name="deepseek_v41_model",
-    fits={"0.34.0": "fe0a98313417149a"},
+    fits={"0.33.0": "b3e469d2b271536d", "0.34.0": "fe0a98313417149a"},
     target="vllm.models.deepseek_v41.nvidia.model",
     replaces=("DeepseekV4Model.__init__",),
     why=(

@@ -14,7 +14,7 @@ def apply(target: ModuleType) -> None:
 
 PATCH = Patch(
     name="hy_v4_attention",
-    fits={"0.34.0": "ac07aeee3f241b3a"},
+    fits={"0.33.0": "a76783d45e1534e1", "0.34.0": "ac07aeee3f241b3a"},
     target="vllm.models.hy_v4.nvidia.attention",
     replaces=("SparseAttnIndexer",),
     why=(

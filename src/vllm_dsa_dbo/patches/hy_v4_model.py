@@ -30,7 +30,7 @@ def apply(target: ModuleType) -> None:
 
 PATCH = Patch(
     name="hy_v4_model",
-    fits={"0.34.0": "e8e40c49a428636a"},
+    fits={"0.33.0": "c7924ecd261ca4d9", "0.34.0": "e8e40c49a428636a"},
     target="vllm.models.hy_v4.nvidia.model",
     replaces=("HYV4Model.__init__",),
     why=(

@@ -114,7 +114,7 @@ def apply(target: ModuleType) -> None:
 
 PATCH = Patch(
     name="index_group",
-    fits={"0.34.0": "4f590629346fd2a8"},
+    fits={"0.33.0": "3d021717ba2195ea", "0.34.0": "4f590629346fd2a8"},
     target="vllm.v1.attention.backends.mla.index_group",
     replaces=(
         "SparseMLAIndexGroup.ubatch_topk_states",

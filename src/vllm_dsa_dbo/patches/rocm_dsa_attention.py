@@ -14,7 +14,7 @@ def apply(target: ModuleType) -> None:
 
 PATCH = Patch(
     name="rocm_dsa_attention",
-    fits={"0.34.0": "ac07aeee3f241b3a"},
+    fits={"0.33.0": "a76783d45e1534e1", "0.34.0": "ac07aeee3f241b3a"},
     target="vllm.models.deepseek_v32.amd.rocm",
     replaces=("SparseAttnIndexer",),
     why=(

@@ -30,7 +30,7 @@ def apply(target: ModuleType) -> None:
 
 PATCH = Patch(
     name="rocm_dsa_model",
-    fits={"0.34.0": "d768371c0463365a"},
+    fits={"0.33.0": "ea772ef6d1e79788", "0.34.0": "d768371c0463365a"},
     target="vllm.models.deepseek_v32.amd.model",
     replaces=("DeepseekV32Model.__init__",),
     why=(

@@ -84,7 +84,7 @@ def apply(target: ModuleType) -> None:
 
 PATCH = Patch(
     name="sparse_attn_indexer",
-    fits={"0.34.0": "e31ff9e7d09ca1b1"},
+    fits={"0.33.0": "ba1f34f27484150e", "0.34.0": "e31ff9e7d09ca1b1"},
     target="vllm.model_executor.layers.sparse_attn_indexer",
     replaces=("sparse_attn_indexer",),
     why=(

@@ -48,7 +48,7 @@ def apply(target: ModuleType) -> None:
 
 PATCH = Patch(
     name="sparse_mla_attention",
-    fits={"0.34.0": "eff710adf221a02c"},
+    fits={"0.33.0": "eff710adf221a02c", "0.34.0": "eff710adf221a02c"},
     target="vllm.model_executor.layers.attention.sparse_mla_attention",
     replaces=("SharedTopkIndicesBuffer.topk_indices_buffer",),
     why=(
