@@ -176,6 +176,6 @@ def test_dbo_ubatch_group_built_without_init_reads_as_stock(fake_gpu):
     unset = {name: error_reading(group, name) for name in UBATCH_TOPK_FIELDS}
     assert unset == dict.fromkeys(UBATCH_TOPK_FIELDS, AttributeError)
 
-    group.has_indexer, group.logical_topk_ready = True, index_group._create_event()
+    group.has_indexer, group.logical_topk_ready = True, torch.Event()
     group.set_logical_topk_ready(0)
     assert group.logical_topk_ready.recorded_by == 0

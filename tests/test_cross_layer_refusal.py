@@ -10,16 +10,20 @@ The model is built through the loader's initialize_model, as a worker does.
 
 from __future__ import annotations
 
+import importlib
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 import torch
 import torch.nn as nn
 
+# Three sparse layers, as vLLM 0.33.0 (sparse_attention_freq) and 0.34.0 (layer_types) read them.
 MINIMAX_M3_INDEX_CACHE = SimpleNamespace(
     use_index_cache=True,
     index_topk_freq=2,
     sparse_attention_config={"sparse_attention_freq": [1, 1, 1]},
+    layer_types=["minimax_m3_sparse"] * 3,
 )
 
 MINIMAX_M3_NO_INDEX_CACHE = SimpleNamespace(
@@ -27,11 +31,18 @@ MINIMAX_M3_NO_INDEX_CACHE = SimpleNamespace(
 )
 
 
-def minimax_m3_layer(layer_id: int, config: SimpleNamespace) -> nn.Module:
-    from vllm.models.minimax_m3.amd.model import _should_skip_index_topk
+def import_rocm_module(name: str):
+    """A ROCm-only vLLM module, imported on a CPU host: vLLM 0.34.0's `platforms.rocm` asks
+    the GPU for its architecture at import."""
+    arch = SimpleNamespace(gcnArchName="gfx942")
+    with mock.patch.object(torch.cuda, "get_device_properties", lambda *args: arch):
+        return importlib.import_module(name)
 
+
+def minimax_m3_layer(layer_id: int, config: SimpleNamespace) -> nn.Module:
+    model = import_rocm_module("vllm.models.minimax_m3.amd.model")
     layer = nn.Module()
-    layer.skip_index_topk = _should_skip_index_topk(config, layer_id)
+    layer.skip_index_topk = model._should_skip_index_topk(config, layer_id)
     return layer
 
 

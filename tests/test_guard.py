@@ -51,7 +51,7 @@ OTHER_VERSION = """
     import logging
     logging.basicConfig(format="%(levelname)s %(name)s %(message)s")
     import vllm
-    vllm.__version__ = "0.34.0"
+    vllm.__version__ = "0.35.0"
 """
 REGISTER = """
     import vllm_dsa_dbo
@@ -101,12 +101,16 @@ def test_other_version_refuses_dbo_with_shared_topk_and_runs_the_rest(tmp_path):
     assert "PATCHED False" in out, result.stderr[-3000:]
     refusal = [line for line in out.splitlines() if line.startswith("REFUSED")]
     assert len(refusal) == 1 and refusal[0].startswith(f"REFUSED {shared} True"), out
-    assert "index_topk_freq > 1" in refusal[0] and "found 0.34.0" in refusal[0]
-    assert "Drop --enable-dbo" in refusal[0] and "use vllm==0.33.0 with vllm-dsa-dbo" in refusal[0]
+    assert "index_topk_freq > 1" in refusal[0] and "found 0.35.0" in refusal[0]
+    assert (
+        "Drop --enable-dbo" in refusal[0]
+        and "use vLLM 0.33.0 or 0.34.0 with vllm-dsa-dbo" in refusal[0]
+    )
     assert "PR #60734 alone fixes only the CUDA deepseek_v32 path" in refusal[0]
     assert f"BUILT {shared} False" in out and f"BUILT {own} True" in out
-    assert "WARNING vllm.dsa_dbo vllm-dsa-dbo supports vLLM 0.33.0 only, found 0.34.0" in (
-        result.stderr
+    assert (
+        "WARNING vllm.dsa_dbo vllm-dsa-dbo supports vLLM 0.33.0 and 0.34.0 only, found 0.35.0"
+        in (result.stderr)
     )
     assert f"refused (guard at {BOTH_SEAMS})" in result.stderr
     assert not [line for line in result.stderr.splitlines() if line.startswith("ERROR")]
@@ -114,12 +118,12 @@ def test_other_version_refuses_dbo_with_shared_topk_and_runs_the_rest(tmp_path):
         """
         import sys
         from vllm_dsa_dbo import cli
-        cli.version = lambda name: "0.34.0"
+        cli.version = lambda name: "0.35.0"
         sys.exit(cli.main(["status"]))
         """
     )
     assert status.returncode == 1, status.stdout + status.stderr[-3000:]
-    assert "0.34.0 (NOT supported" in status.stdout
+    assert "0.35.0 (NOT supported" in status.stdout
     assert f"refused at {BOTH_SEAMS}" in status.stdout
 
 
@@ -133,7 +137,7 @@ def test_status_installs_no_guard():
         from vllm.model_executor.model_loader import utils
         from vllm_dsa_dbo import cli
         stock = VllmConfig.__post_init__, utils.initialize_model
-        cli.version = lambda name: "0.34.0"
+        cli.version = lambda name: "0.35.0"
         rc = cli.main(["status"])
         print("UNTOUCHED", (VllmConfig.__post_init__, utils.initialize_model) == stock,
               hasattr(vllm, "_vllm_dsa_dbo_guard"))

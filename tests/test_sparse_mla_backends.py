@@ -207,6 +207,11 @@ def sparse_env(fake_gpu, monkeypatch):
     )
     if not workspace.is_workspace_manager_initialized():
         workspace.init_workspace_manager(torch.device("cpu"), 2)
+    # vLLM 0.34.0's FlashMLASparseImpl asks the device for its multiprocessor count.
+    from vllm.v1.attention.backends.mla import flashmla_sparse
+
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
+    monkeypatch.setattr(flashmla_sparse, "num_compute_units", lambda *a: 132, raising=False)
     return fake_gpu
 
 
@@ -214,11 +219,16 @@ class BackendStack:
     """Four sparse MLA layers of one backend sharing an index-group builder."""
 
     def __init__(
-        self, variant: Variant, monkeypatch, num_ubatches: int = 2, leaders: list[bool] = LEADERS
+        self,
+        variant: Variant,
+        monkeypatch,
+        num_ubatches: int = 2,
+        leaders: list[bool] = LEADERS,
+        topk_start: int = 0,
     ) -> None:
         from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroupBuilder
 
-        self.variant, self.leaders = variant, leaders
+        self.variant, self.leaders, self.topk_start = variant, leaders, topk_start
         self.kernels = install_kernels(variant, monkeypatch)
         self.buffer = torch.full((MAX_NUM_BATCHED_TOKENS, INDEX_TOPK), -1, dtype=torch.int32)
         self.builder = SparseMLAIndexGroupBuilder(
@@ -273,6 +283,7 @@ class BackendStack:
         v, n = self.variant, TOKENS_PER_UBATCH[ubatch]
         num_decode_tokens = n if v.decode else n - NUM_PREFILL_TOKENS
         meta = metadata(ubatch)
+        meta.topk_start = self.topk_start
         meta.num_decode_tokens, meta.num_actual_tokens = num_decode_tokens, n
         meta.topk_tokens = INDEX_TOPK
         FP8 = flashmla_sparse.FlashMLASparseMetadata
@@ -327,7 +338,8 @@ class BackendStack:
     def lead(self, layer: int, ubatch: int) -> None:
         """A leader's writes through its attention module, then its ready event."""
         logical = self.inputs[ubatch, layer]
-        self.attns[layer].topk_indices_buffer[: logical.shape[0]] = logical
+        rows = slice(self.topk_start, self.topk_start + logical.shape[0])
+        self.attns[layer].topk_indices_buffer[rows] = logical
         # XPUMLASparseImpl has none, and vLLM's DSA layers call it unconditionally.
         if hasattr(self.impls[layer], "record_logical_topk_ready"):
             self.impls[layer].record_logical_topk_ready()
@@ -339,7 +351,7 @@ class BackendStack:
         buffer = torch.full_like(self.buffer, -1)
         impl = self.new_impl(SparseMLAIndexGroupBuilder(buffer, MAX_DECODE_ROWS), buffer, True)
         logical = self.inputs[source.ubatch, source.leader]
-        buffer[: logical.shape[0]] = logical
+        buffer[self.topk_start : self.topk_start + logical.shape[0]] = logical
         return self.forward(impl, source.ubatch, self.new_metadata(source.ubatch))
 
     def leader_of(self, layer: int) -> int:
@@ -385,6 +397,19 @@ def test_one_microbatch_of_state_shows_the_bug(sparse_env, monkeypatch, variant)
     """Stock vLLM's single copy: microbatch 1's leader overwrites what microbatch
     0's followers read, in this impl's own read path."""
     assert BackendStack(variant, monkeypatch, num_ubatches=1).run_step() == [(2, 0), (3, 0)]
+
+
+@pytest.mark.parametrize("variant", both_batches("FLASHMLA_SPARSE"), ids=str)
+def test_shardq_step_followers_read_their_own_leaders_topk(sparse_env, monkeypatch, variant):
+    """A ShardQ step (vLLM 0.34.0, TP > 1): the leader writes the rank's tokens from row
+    `topk_start` on and every impl reads from there, converting per layer."""
+    from vllm.model_executor.layers.attention.sparse_mla_attention import SparseMLACommonImpl
+
+    if "topk_start" not in SparseMLACommonImpl.forward_mqa.__code__.co_names:
+        pytest.skip("this vLLM has no ShardQ (vLLM 0.34.0 added it)")
+    assert BackendStack(variant, monkeypatch, topk_start=3).run_step() == []
+    stock = BackendStack(variant, monkeypatch, num_ubatches=1, topk_start=3)
+    assert stock.run_step() == [(2, 0), (3, 0)]
 
 
 def test_xpu_followers_share_one_buffer_and_are_refused(sparse_env, monkeypatch):

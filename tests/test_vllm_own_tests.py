@@ -1,4 +1,4 @@
-"""vLLM 0.33.0's own tests of what the plugin patches (DBO microbatch slicing
+"""vLLM's own tests of what the plugin patches (DBO microbatch slicing
 and threads, the naive DP/EP prepare/finalize under DBO, `sparse_attn_indexer`, the
 sparse MLA impls' top-k buffer and index groups) give the same outcome, test by test,
 with the plugin loaded as stock. Skipped, with the reason, where vLLM's sdist is
@@ -12,12 +12,21 @@ import pytest
 
 import vllm_sdist
 
-VLLM_TESTS = [
-    "tests/v1/worker/test_ubatch_offsets.py",
-    "tests/v1/worker/test_gpu_ubatch_slicing.py",
-    "tests/kernels/moe/test_naive_dp_ep_dbo.py",
-    "tests/v1/attention/test_indexer_tp_row_shard.py",
-]
+# Per release: 0.34.0 removed the TP prefill row sharding (PrefillRowShard) for ShardQ.
+VLLM_TESTS = {
+    "0.33.0": [
+        "tests/v1/worker/test_ubatch_offsets.py",
+        "tests/v1/worker/test_gpu_ubatch_slicing.py",
+        "tests/kernels/moe/test_naive_dp_ep_dbo.py",
+        "tests/v1/attention/test_indexer_tp_row_shard.py",
+    ],
+    "0.34.0": [
+        "tests/v1/worker/test_ubatch_offsets.py",
+        "tests/v1/worker/test_gpu_ubatch_slicing.py",
+        "tests/kernels/moe/test_naive_dp_ep_dbo.py",
+        "tests/v1/attention/test_shardq.py",
+    ],
+}
 
 
 @pytest.fixture
@@ -30,7 +39,7 @@ def root() -> Path:
 
 
 def test_vllm_own_tests_pass_with_the_plugin_as_stock(root):
-    runs = vllm_sdist.compare(root, VLLM_TESTS, workers=2)
+    runs = vllm_sdist.compare(root, VLLM_TESTS[vllm_sdist.VERSION], workers=2)
     (stock_summary, stock), (plugin_summary, plugin) = runs["stock"], runs["plugin"]
     assert plugin and " passed" in plugin_summary, plugin_summary
     assert "failed" not in plugin_summary and "error" not in plugin_summary, plugin_summary

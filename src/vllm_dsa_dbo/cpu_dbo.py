@@ -255,6 +255,8 @@ def metadata(ubatch: int, device: str = "cpu") -> SimpleNamespace:
         req_id_per_token=torch.randint(0, reqs, (n,), generator=g).int().to(device),
         block_table=torch.randperm(64, generator=g)[: reqs * 4].view(reqs, 4).int().to(device),
         block_size=BLOCK_SIZE,
+        # vLLM 0.34.0's first top-k row of the step (ShardQ); 0 where it does not shard.
+        topk_start=0,
     )
 
 

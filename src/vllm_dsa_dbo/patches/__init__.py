@@ -85,7 +85,7 @@ def _outcome(patch: Patch, target: ModuleType, known: dict[str, str | None]) -> 
     ]
     if needs:
         return "needs " + "; ".join(needs)
-    return misfit(patch, target, release()) or patch.check(target)
+    return patch.check(target) or misfit(patch, target, release())
 
 
 def matters(patch: Patch) -> bool:

@@ -52,7 +52,10 @@ def seam_digest(target: ModuleType, replaces: tuple[str, ...]) -> str:
 def misfit(patch: Patch, target: ModuleType, release: str) -> str | None:
     """None when `target`'s seam is `release`'s as `patch` was written for it, else what differs."""
     expected = patch.fits[release]
-    found = seam_digest(target, patch.replaces)
+    try:
+        found = seam_digest(target, patch.replaces)
+    except (OSError, TypeError) as e:  # no source: nothing shows the seam is the release's
+        return f"{patch.target}: no source to compare with vLLM {release}'s ({e})"
     if found != expected:
         return (
             f"{patch.target} differs from vLLM {release}'s where the patch sets "
