@@ -176,6 +176,8 @@ def test_dbo_ubatch_group_built_without_init_reads_as_stock(fake_gpu):
     unset = {name: error_reading(group, name) for name in UBATCH_TOPK_FIELDS}
     assert unset == dict.fromkeys(UBATCH_TOPK_FIELDS, AttributeError)
 
+    import torch
+
     group.has_indexer, group.logical_topk_ready = True, torch.Event()
     group.set_logical_topk_ready(0)
     assert group.logical_topk_ready.recorded_by == 0
