@@ -189,8 +189,9 @@ def status(args: argparse.Namespace) -> int:
 
 
 def unmodified_release() -> bool:
-    """The vLLM that imports here is a supported release as published: installed from an index, every
-    Python file as its RECORD lists it (not an edited, locally built or shadowing tree)."""
+    """The vLLM that imports here is a supported release as published: installed from an
+    index, every Python file as its RECORD lists it (not an edited, locally built or
+    shadowing tree)."""
     dist = distribution("vllm")
     spec = find_spec("vllm")
     if (
