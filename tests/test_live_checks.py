@@ -259,33 +259,56 @@ BREAK_REGISTRY = """
     from vllm.v1.worker import ubatching
     ubatching._THREAD_ID_TO_CONTEXT = {}
 """
-DEPENDENT = [
-    "deepseek_v32_attention",
-    "deepseek_v41_attention",
-    "deepseek_v41_model",
-    "hy_v4_attention",
-    "hy_v4_model",
-    "index_group",
-    "mla",
-    "rocm_dsa_attention",
-    "rocm_dsa_model",
-    "sparse_attn_indexer",
-    "sparse_mla_attention",
-]
+# A point release of the installed release's series, DeepseekV32Attention's source changed
+# (one line added) as inspect reads it.
+POINT_RELEASE = """
+    import vllm
+    from vllm_dsa_dbo import settings
+    release = settings.release_of(vllm.__version__)
+    vllm.__version__ = release.rsplit(".", 1)[0] + ".9"
+"""
+CHANGE_SEAM = """
+    import inspect, linecache, os
+    from vllm.models.deepseek_v32 import attention
+    path = inspect.getsourcefile(attention)
+    lines = linecache.getlines(path)
+    at = next(i for i, line in enumerate(lines) if line.startswith("class DeepseekV32Attention"))
+    lines.insert(at + 1, "    # a point release's change\\n")
+    stat = os.stat(path)
+    linecache.cache[path] = (stat.st_size, stat.st_mtime, lines, path)
+"""
+
+
+def test_point_release_patched_seam_by_seam():
+    same = run_python(CPU_DBO, POINT_RELEASE, REGISTER, LOAD_GLM5_STACK)
+    assert "UNAPPLIED []" in same.stdout, same.stderr[-3000:]
+    assert "LOADED False" in same.stdout and "LOADED True" in same.stdout
+
+    changed = run_python(CPU_DBO, POINT_RELEASE, CHANGE_SEAM, REGISTER, LOAD_GLM5_STACK)
+    assert "UNAPPLIED ['deepseek_v32_attention']" in changed.stdout, changed.stderr[-3000:]
+    assert "LOADED False" in changed.stdout
+    assert "REFUSED True vllm-dsa-dbo: Model shares top-k between layers" in changed.stdout
+    assert "patch deepseek_v32_attention left unapplied: vllm.models.deepseek_v32.attention " in (
+        changed.stderr
+    )
+    assert "differs from vLLM 0.3" in changed.stderr and "seam sha256" in changed.stderr
 
 
 def test_failed_check_leaves_its_path_unwired_and_the_model_refused():
+    from vllm_dsa_dbo.patches import fix_patches, matters
+
+    dependent = sorted(p.name for p in fix_patches() if matters(p))
     wired = run_python(CPU_DBO, REGISTER, LOAD_GLM5_STACK)
     assert "UNAPPLIED []" in wired.stdout, wired.stderr[-3000:]
     assert "LOADED False" in wired.stdout and "LOADED True" in wired.stdout
     assert "keeps shared top-k per DBO microbatch: 2 microbatches" in wired.stderr
 
     broken = run_python(CPU_DBO, BREAK_REGISTRY, REGISTER, LOAD_GLM5_STACK)
-    assert f"UNAPPLIED {DEPENDENT}" in broken.stdout, broken.stdout + broken.stderr[-3000:]
+    assert f"UNAPPLIED {dependent}" in broken.stdout, broken.stdout + broken.stderr[-3000:]
     assert "LOADED False" in broken.stdout
     assert "REFUSED True vllm-dsa-dbo: Model shares top-k between layers" in broken.stdout
     warnings = [line for line in broken.stderr.splitlines() if "left unapplied" in line]
-    assert len(warnings) == len(DEPENDENT)
+    assert len(warnings) == len(dependent)
     registry = "index_group left unapplied: vllm.v1.worker.ubatching._THREAD_ID_TO_CONTEXT"
     assert any(registry in w for w in warnings)
 

@@ -213,10 +213,11 @@ def unmodified_release() -> bool:
 def print_patches(problems: list[str]) -> None:
     """Each patch, and why it would be left unapplied here; `problems` gets those that are."""
     from vllm_dsa_dbo.diagnostics import isolation, load_check
-    from vllm_dsa_dbo.patches import CARRIED, diagnose, fix_patches
+    from vllm_dsa_dbo.patches import CARRIED, diagnose, fix_patches, release
 
     every = [*fix_patches(), *load_check.PATCHES]
     wiring = {} if problems else diagnose(every)
+    here = release()
     print("patches:")
     for patch in every:
         print_patch(patch)
@@ -225,6 +226,10 @@ def print_patches(problems: list[str]) -> None:
         elif wiring.get(patch.name) is not None:
             print(f"    LEFT UNAPPLIED here: {wiring[patch.name]}")
             problems.append(f"patch {patch.name} is left unapplied")
+        elif patch.name in wiring:
+            print(f"    fits this vLLM: its seam is vLLM {here}'s (sha256 {patch.fits[here]})")
+        elif here is not None and here not in patch.fits:
+            print(f"    not in vLLM {here}: its seam first came in {min(patch.fits)}")
     print(f"isolation checker patches (only with {CHECK_ENV} set):")
     for patch in isolation.PATCHES:
         print_patch(patch)
@@ -239,6 +244,8 @@ def print_patches(problems: list[str]) -> None:
 def print_patch(patch: Patch) -> None:
     print(f"  {patch.target}: {', '.join(patch.replaces)}")
     print(f"    how: {patch.how}\n    remove when: {patch.remove_when}")
+    if patch.differs:
+        print(f"    between releases: {patch.differs}")
 
 
 def guard_seam() -> str:

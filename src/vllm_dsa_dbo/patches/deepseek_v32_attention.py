@@ -45,6 +45,11 @@ def apply(target: ModuleType) -> None:
 PATCH = Patch(
     name="deepseek_v32_attention",
     fits={"0.33.0": "d3f26c9a34c0b99d", "0.34.0": "2aa48782dee21fec"},
+    differs=(
+        "vLLM 0.34.0: leaders by compute_skip_topk_layers (indexer_types too), a ShardQ "
+        "branch reading from topk_start, shardq_eligible; its writers still read "
+        "self.topk_indices_buffer"
+    ),
     target="vllm.models.deepseek_v32.attention",
     replaces=(
         "DeepseekV32Attention.__init__",

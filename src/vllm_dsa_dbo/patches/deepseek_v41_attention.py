@@ -42,6 +42,10 @@ def apply(target: ModuleType) -> None:
 PATCH = Patch(
     name="deepseek_v41_attention",
     fits={"0.33.0": "ad7a241994480ad4", "0.34.0": "566eaf588f8bc639"},
+    differs=(
+        "vLLM 0.34.0: wo_a grouping, replay and Engram changes; the top-k and candidate "
+        "buffers are set as before"
+    ),
     target="vllm.models.deepseek_v41.attention",
     replaces=(
         "DeepseekV4Attention.topk_indices_buffer",

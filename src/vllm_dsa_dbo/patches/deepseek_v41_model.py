@@ -73,6 +73,10 @@ def apply(target: ModuleType) -> None:
 PATCH = Patch(
     name="deepseek_v41_model",
     fits={"0.33.0": "b3e469d2b271536d", "0.34.0": "fe0a98313417149a"},
+    differs=(
+        "vLLM 0.34.0: wo_a grouping, replay and Engram changes; the top-k and candidate "
+        "buffers are allocated as before"
+    ),
     target="vllm.models.deepseek_v41.nvidia.model",
     replaces=("DeepseekV4Model.__init__",),
     why=(

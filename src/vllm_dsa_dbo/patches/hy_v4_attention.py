@@ -15,6 +15,10 @@ def apply(target: ModuleType) -> None:
 PATCH = Patch(
     name="hy_v4_attention",
     fits={"0.33.0": "a76783d45e1534e1", "0.34.0": "ac07aeee3f241b3a"},
+    differs=(
+        "vLLM 0.34.0: SparseAttnIndexer also takes skip_topk_buffer_clear and hands the "
+        "op logits_dtype and dcp_direct_topk_max_rows; its buffer attribute is unchanged"
+    ),
     target="vllm.models.hy_v4.nvidia.attention",
     replaces=("SparseAttnIndexer",),
     why=(

@@ -31,6 +31,10 @@ def apply(target: ModuleType) -> None:
 PATCH = Patch(
     name="hy_v4_model",
     fits={"0.33.0": "c7924ecd261ca4d9", "0.34.0": "e8e40c49a428636a"},
+    differs=(
+        "vLLM 0.34.0: HYV4Model.__init__ also builds pipeline-parallel top-k buffers (PP "
+        "is refused with DBO)"
+    ),
     target="vllm.models.hy_v4.nvidia.model",
     replaces=("HYV4Model.__init__",),
     why=(

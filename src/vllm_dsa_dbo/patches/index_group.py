@@ -115,6 +115,11 @@ def apply(target: ModuleType) -> None:
 PATCH = Patch(
     name="index_group",
     fits={"0.33.0": "3d021717ba2195ea", "0.34.0": "4f590629346fd2a8"},
+    differs=(
+        "vLLM 0.34.0: register_layer takes row_width= for head_size=, streams come from "
+        "_current_stream(), and the module's _create_event / _create_side_stream are "
+        "gone; the patch passes all of it through"
+    ),
     target="vllm.v1.attention.backends.mla.index_group",
     replaces=(
         "SparseMLAIndexGroup.ubatch_topk_states",

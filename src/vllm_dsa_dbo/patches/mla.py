@@ -49,6 +49,7 @@ def apply(target: ModuleType) -> None:
 PATCH = Patch(
     name="mla",
     fits={"0.33.0": "cffe71b09e0ba928", "0.34.0": "114306e41ad02e4c"},
+    differs=("vLLM 0.34.0: __init__ also takes shardq_eligible, which the hook passes through"),
     target="vllm.model_executor.layers.mla",
     replaces=("MultiHeadLatentAttentionWrapper.__init__",),
     why=(

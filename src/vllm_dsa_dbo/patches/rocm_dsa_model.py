@@ -31,6 +31,10 @@ def apply(target: ModuleType) -> None:
 PATCH = Patch(
     name="rocm_dsa_model",
     fits={"0.33.0": "ea772ef6d1e79788", "0.34.0": "d768371c0463365a"},
+    differs=(
+        "vLLM 0.34.0: the model keeps its buffer as self.topk_indices_buffer and builds "
+        "pipeline-parallel top-k buffers (PP is refused with DBO)"
+    ),
     target="vllm.models.deepseek_v32.amd.model",
     replaces=("DeepseekV32Model.__init__",),
     why=(

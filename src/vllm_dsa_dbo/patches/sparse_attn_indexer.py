@@ -85,6 +85,11 @@ def apply(target: ModuleType) -> None:
 PATCH = Patch(
     name="sparse_attn_indexer",
     fits={"0.33.0": "ba1f34f27484150e", "0.34.0": "e31ff9e7d09ca1b1"},
+    differs=(
+        "vLLM 0.34.0: the kernel also takes logits_dtype and dcp_direct_topk_max_rows, "
+        "gathers ShardQ rows and no longer shards prefill rows by TP; the two parameters "
+        "the patch maps are unchanged"
+    ),
     target="vllm.model_executor.layers.sparse_attn_indexer",
     replaces=("sparse_attn_indexer",),
     why=(
