@@ -11,6 +11,7 @@ import sys
 import traceback
 from collections.abc import Callable
 from contextlib import redirect_stderr, redirect_stdout
+from importlib.metadata import version
 from types import SimpleNamespace
 
 import pytest
@@ -239,6 +240,7 @@ def test_memory_glm53_is_19_groups_216_mib():
     assert round(report["bytes_per_extra_ubatch"] / 2**20) == 216
     text = cli("memory", "--preset", "glm-5.3").stdout
     assert "G = 19" in text and "216.2 MiB" in text
+    assert f"vLLM {version('vllm')} code path: vllm/models/deepseek_v32/nvidia (cuda)" in text
 
 
 def copied_groups(stack: SharedTopkStack) -> list:
@@ -468,6 +470,27 @@ def test_memory_stops_at_what_hy_v4s_config_class_refuses_before_its_model_code(
     assert result.stdout.splitlines()[-1] == f"{module} imported: False"
 
 
+def test_memory_for_minimax_m3_on_rocm_runs_on_a_cpu_host(tmp_path):
+    """vLLM 0.34.0's ROCm MiniMax-M3 module asks the GPU for its architecture when imported
+    (vllm.platforms.rocm): its layout is read without that import, on every release."""
+    sparse = {"sparse_attention_config": {"sparse_attention_freq": [0, 1, 1, 1]}}
+    text = {"num_hidden_layers": 4, "index_topk": 64, "use_index_cache": True, **sparse}
+    layer_types = ["full_attention"] + ["minimax_m3_sparse"] * 3
+    config = {
+        "architectures": ["MiniMaxM3SparseForConditionalGeneration"],
+        "text_config": {**text, "index_topk_freq": 2, "layer_types": layer_types},
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    module = "vllm.platforms.rocm"
+    result = cli_without_torch(
+        "memory", "--config", str(tmp_path), "--platform", "rocm", module=module
+    )
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    assert "followers (1, reading another layer's top-k): 2\n" in result.stdout
+    assert "extra memory: none; refused under DBO" in result.stdout
+    assert result.stdout.splitlines()[-1] == f"{module} imported: False"
+
+
 @pytest.mark.parametrize(
     "flag, value",
     [
@@ -516,6 +539,9 @@ def test_demo_shows_the_corruption_and_the_fix(demo):
     result = demo()
     assert result.returncode == 0, result.stdout + result.stderr
     stock, fixed = result.stdout.split("with vllm-dsa-dbo:", 1)
+    released = f"vLLM {version('vllm')} as released"
+    assert stock.startswith(f"{released}: leaders [0, 1, 2, 6]\n")
+    assert f"{released}: 3 of 16 top-k reads came from the wrong microbatch" in stock
     wrong = re.findall(r"layer (\d) \(follows \d\), microbatch (\d).*\[WRONG\]", stock)
     # Every follower of microbatch 0 after the first yield (layer 3 precedes it).
     assert sorted(wrong) == [("4", "0"), ("5", "0"), ("7", "0")]

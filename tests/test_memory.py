@@ -12,12 +12,20 @@ from vllm.v1.attention.backends.mla.index_group import (
     SparseMLAIndexGroupBuilder,
 )
 
+from vllm_dsa_dbo.diagnostics import layout as layouts
 from vllm_dsa_dbo.diagnostics.layout import (
+    CODE_PATHS,
+    RELEASE,
+    RULES,
+    check_config,
     groups_with_followers,
+    layout,
     leader_mask,
+    skip_topk_rule,
     ubatch_topk_bytes_per_extra_ubatch,
 )
 from vllm_dsa_dbo.diagnostics.startup import ubatch_topk_bytes
+from vllm_dsa_dbo.settings import RELEASES, SUPPORTED_VLLM
 
 MAX_NUM_BATCHED_TOKENS = 96
 MAX_DECODE_ROWS = 24
@@ -316,3 +324,149 @@ def test_every_dsa_class_is_registered_under_its_own_name():
     assert {name: ModelRegistry.models[name].class_name for name in CODE_PATHS} == {
         name: name for name in CODE_PATHS
     }
+
+
+def test_each_release_names_where_it_defines_compute_skip_topk_layers():
+    """vLLM's own helper, from the module that defines it in the installed release."""
+    assert set(RULES) == set(RELEASES)
+    assert skip_topk_rule().__module__ == RULES[RELEASE].skip_topk
+
+
+# Leaders 0 2 5 6 by indexer_types; 0 1 2 6 by index_topk_freq 4, offset 3.
+GLM5_INDEXER_TYPES = {
+    **GLM5_8,
+    "indexer_types": ["full", "shared", "full", "shared", "shared", "full", "full", "shared"],
+}
+BY_TYPES, BY_FREQ = [0, 2, 5, 6], [0, 1, 2, 6]
+
+
+@pytest.mark.parametrize(
+    "architecture, platform, leaders",
+    [
+        ("GlmMoeDsaForCausalLM", "cuda", {"0.33.0": BY_FREQ, "0.34.0": BY_TYPES}),
+        ("DeepseekV32ForCausalLM", "rocm", {"0.33.0": BY_FREQ, "0.34.0": BY_TYPES}),
+        # The deepseek_v2 path keeps its own rule, which reads no indexer_types.
+        ("DeepseekV3ForCausalLM", "cuda", {"0.33.0": BY_FREQ, "0.34.0": BY_FREQ}),
+    ],
+)
+def test_indexer_types_lead_where_the_release_reads_them(capsys, architecture, platform, leaders):
+    config = {**GLM5_INDEXER_TYPES, "architectures": [architecture]}
+    report = memory_report(capsys, config, "--platform", platform)
+    assert report["leaders"] == leaders[RELEASE]
+    [note] = report["notes"]
+    if leaders[RELEASE] == BY_TYPES:
+        assert (
+            note == "indexer_types decides: vLLM ignores index_skip_topk_offset / index_topk_freq"
+        )
+    else:
+        assert note.endswith(
+            "reads no indexer_types on this path: leaders come from "
+            "index_topk_freq / index_topk_pattern / index_skip_topk_offset"
+        )
+
+
+@pytest.mark.skipif(
+    CODE_PATHS["GlmMoeDsaForCausalLM"]["cuda"].rule != "dsa_indexer_types",
+    reason="this release's GLM-5 path reads no indexer_types",
+)
+def test_indexer_types_are_checked_where_read(capsys, tmp_path):
+    from vllm_dsa_dbo.cli import main
+
+    (tmp_path / "config.json").write_text(json.dumps({**GLM5_8, "indexer_types": ["full"] * 2}))
+    assert main(["memory", "--config", str(tmp_path)]) == 2
+    error = capsys.readouterr().err
+    assert "indexer_types must hold 'full' or 'shared' for each of the 8 layers" in error
+
+
+# Layers 1-3 sparse by sparse_attention_freq, 0-2 by layer_types.
+MINIMAX_M3_TYPED = {
+    **MINIMAX_M3,
+    "text_config": {
+        **MINIMAX_M3["text_config"],
+        "layer_types": ["minimax_m3_sparse"] * 3 + ["full_attention"],
+    },
+}
+
+
+@pytest.mark.parametrize(
+    "config, followers",
+    [
+        # 0.34.0's config class derives layer_types from sparse_attention_freq.
+        (MINIMAX_M3, {"0.33.0": [2], "0.34.0": [2]}),
+        (MINIMAX_M3_TYPED, {"0.33.0": [2], "0.34.0": [1]}),
+    ],
+)
+def test_minimax_m3_rocm_sparse_layers_are_the_releases(config, followers):
+    assert layout(*check_config(config, "rocm")).followers == followers[RELEASE]
+
+
+def minimax_m3_configs() -> list[dict]:
+    sparse = ["minimax_m3_sparse"]
+    kinds = [sparse * 6, ["full_attention"] * 2 + sparse * 4, (sparse + ["full_attention"]) * 3]
+    return [
+        {"num_hidden_layers": 6, "index_topk": 64, "layer_types": layer_types, **keys}
+        for layer_types in kinds
+        for keys in (
+            {"use_index_cache": True, "index_topk_freq": 2},
+            {"use_index_cache": True, "index_topk_freq": 3, "index_skip_topk_offset": 1},
+            {"use_index_cache": True, "index_topk_freq": None, "index_skip_topk_offset": 1},
+            {"use_index_cache": False, "index_topk_freq": 2},
+            {"index_topk_freq": 2},
+        )
+    ]
+
+
+@pytest.mark.skipif(
+    CODE_PATHS["MiniMaxM3SparseForCausalLM"]["rocm"].rule != "minimax_m3_layer_types",
+    reason="this release's rule is vLLM's, imported",
+)
+def test_minimax_m3_restated_rule_is_vllms():
+    """The restated rule gives what vLLM's own `_should_skip_index_topk` gives (imported here
+    with the GPU's architecture faked) on the config class the release builds."""
+    from transformers import MiniMaxM3VLTextConfig
+
+    from test_cross_layer_refusal import import_rocm_module
+
+    skips = import_rocm_module("vllm.models.minimax_m3.amd.model")._should_skip_index_topk
+    for text in minimax_m3_configs():
+        config = MiniMaxM3VLTextConfig.from_dict(text)
+        expected = [i for i in range(6) if skips(config, i)]
+        architecture = {"architectures": ["MiniMaxM3SparseForCausalLM"]}
+        assert layout(*check_config({**architecture, **text}, "rocm")).followers == expected, text
+
+
+MISTRAL_LARGE4 = {
+    "architectures": ["MistralLarge4ForCausalLM"],
+    "num_hidden_layers": 8,
+    "index_topk": 64,
+    "index_sharing": ["full", "shared", "shared", "full", "shared", "full", "full", "shared"],
+}
+
+
+@pytest.mark.skipif("MistralLarge4ForCausalLM" not in CODE_PATHS, reason="new in vLLM 0.34.0")
+def test_mistral_large4_leaders_are_its_full_layers(capsys):
+    report = memory_report(capsys, MISTRAL_LARGE4)
+    assert report["leaders"] == [0, 3, 5, 6] and report["followers"] == 4
+    assert report["bytes_total"] == ubatch_topk_bytes_per_extra_ubatch(
+        max_num_batched_tokens=8192, max_decode_rows=1024, index_topk=64, groups_with_followers=3
+    )
+    assert memory_report(capsys, MISTRAL_LARGE4, "--platform", "rocm")["bytes_total"] is None
+    every_layer = memory_report(capsys, {**MISTRAL_LARGE4, "index_sharing": None})
+    assert every_layer["followers"] == 0 and every_layer["bytes_total"] == 0
+
+
+@pytest.mark.skipif("MistralLarge4ForCausalLM" in CODE_PATHS, reason="this vLLM builds it")
+def test_mistral_large4_is_named_as_a_later_releases_model(capsys, tmp_path):
+    from vllm_dsa_dbo.cli import main
+
+    (tmp_path / "config.json").write_text(json.dumps(MISTRAL_LARGE4))
+    assert main(["memory", "--config", str(tmp_path)]) == 2
+    error = capsys.readouterr().err
+    assert "MistralLarge4ForCausalLM is new in vLLM 0.34.0: the installed vLLM" in error
+
+
+def test_memory_on_another_vllm_says_whose_rules_it_reads(capsys, monkeypatch):
+    monkeypatch.setattr(layouts, "VLLM_VERSION", "0.35.0")
+    assert memory_report(capsys, GLM5_8)["notes"] == [
+        f"vLLM 0.35.0 is none of {SUPPORTED_VLLM}: read by {RELEASE}'s rules"
+    ]

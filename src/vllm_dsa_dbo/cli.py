@@ -21,6 +21,7 @@ from vllm_dsa_dbo.diagnostics.layout import (
     PLATFORMS,
     REFUSED,
     UNSHARED,
+    VLLM_VERSION,
     Layout,
     check_config,
     layout,
@@ -336,6 +337,7 @@ def memory(args: argparse.Namespace) -> int:
         "model": source,
         "architecture": model.architecture,
         "platform": args.platform,
+        "vllm": VLLM_VERSION,
         "code_path": model.path.module,
         "layers": model.num_layers,
         "leaders": model.leaders,
@@ -355,7 +357,7 @@ def memory(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=1))
         return 0
     print(f"model: {source} ({model.architecture}, {model.num_layers} layers, index_topk {k})")
-    print(f"vLLM code path: {model.path.module} ({args.platform})")
+    print(f"vLLM {VLLM_VERSION} code path: {model.path.module} ({args.platform})")
     if model.leaders is not None:
         print(f"leaders ({len(model.leaders)}): {' '.join(map(str, model.leaders)) or 'none'}")
     reads = "top-k or candidate blocks" if model.path.rule == "deepseek_v41" else "top-k"

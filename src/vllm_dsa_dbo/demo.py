@@ -1,5 +1,5 @@
 """`vllm-dsa-dbo demo`: one DBO step through vLLM's real sparse MLA layers on a
-CPU, as vLLM 0.33.0 ships (`--phase stock`) or with the fix (`--phase fixed`).
+CPU, as the installed vLLM ships (`--phase stock`) or with the fix (`--phase fixed`).
 
     python -m vllm_dsa_dbo.demo --phase stock|fixed
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from importlib.metadata import version
 from typing import TYPE_CHECKING
 
 from vllm_dsa_dbo.cli import DEMO_CROSSED
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     # As vLLM would: applies the fix unless VLLM_DSA_DBO_DISABLE is set, and
     # the isolation checker when VLLM_DSA_DBO_CHECK is.
     vllm_dsa_dbo.register()
-    title = "vLLM 0.33.0 as released" if args.phase == "stock" else "with vllm-dsa-dbo"
+    title = f"vLLM {version('vllm')} as released" if args.phase == "stock" else "with vllm-dsa-dbo"
     print(f"{title}: leaders {[i for i, lead in enumerate(leaders) if lead]}")
     with cpu_dbo.cpu_vllm(), cpu_dbo.fake_streams():
         stack = cpu_dbo.SharedTopkStack(leaders, None if args.phase == "stock" else 2)

@@ -1,17 +1,21 @@
 """For `memory`: which layers of a DSA model lead, which follow, and what the plugin keeps
-per DBO microbatch for them, per vLLM 0.33.0 code path.
+per DBO microbatch for them, per code path of the installed vLLM release.
 
 `check_config` reads only the JSON (no torch, no vLLM) and refuses what vLLM would refuse
-or misread; the rules are then vLLM's own functions of the config, and the DeepSeek-V4.1
-one the patch allocates by.
+or misread; the rules are then vLLM's own functions of the config (`RULES` says where each
+release keeps them), and the DeepSeek-V4.1 one the patch allocates by.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import importlib
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 from types import SimpleNamespace
 from typing import Any
+
+from vllm_dsa_dbo.settings import RELEASES, SUPPORTED_VLLM, release_of
 
 # What the plugin keeps per extra microbatch on a code path whose layers share top-k.
 GROUPS = "logical top-k buffer, and per index group with followers its physical top-k"
@@ -33,7 +37,7 @@ class CodePath:
     """The vLLM code that builds an architecture on a platform, and its leader rule."""
 
     module: str
-    rule: str | None  # "dsa", "hy_v4", "deepseek_v41", "minimax_m3"; None: nothing shared
+    rule: str | None  # a key of _RULE_CHECKS; None: nothing shared
     copies: str
 
 
@@ -57,7 +61,7 @@ _GLM5_NEXT = dict.fromkeys(("cuda", "rocm"), CodePath("vllm/models/glm5next", No
 
 # Every vLLM 0.33.0 DSA model class (the README's coverage table), by platform; vLLM
 # registers each under its own name.
-CODE_PATHS: dict[str, dict[str, CodePath]] = {
+_CODE_PATHS_033: dict[str, dict[str, CodePath]] = {
     "GlmMoeDsaForCausalLM": _V32,
     "DeepseekV32ForCausalLM": _V32,
     "DeepseekV3ForCausalLM": _V2,
@@ -76,7 +80,61 @@ CODE_PATHS: dict[str, dict[str, CodePath]] = {
     "Glm5NextForCausalLM": _GLM5_NEXT,
     "Glm5NextForConditionalGeneration": _GLM5_NEXT,
 }
+# 0.34.0's GLM-5 / V3.2 path calls compute_skip_topk_layers, which reads indexer_types first.
+_V32_034 = {
+    "cuda": CodePath("vllm/models/deepseek_v32/nvidia", "dsa_indexer_types", GROUPS),
+    "rocm": CodePath("vllm/models/deepseek_v32/amd", "dsa_indexer_types", LOGICAL),
+}
+# 0.34.0's ROCm MiniMax-M3 takes its sparse layers from layer_types.
+_MINIMAX_M3_034 = {
+    **_MINIMAX_M3,
+    "rocm": CodePath("vllm/models/minimax_m3/amd", "minimax_m3_layer_types", REFUSED),
+}
+# One shared index group builder on both platforms, as GLM-5 on CUDA.
+_MISTRAL_LARGE4 = {
+    "cuda": CodePath("vllm/models/mistral/mistral_large4/nvidia", "index_sharing", GROUPS),
+    "rocm": CodePath("vllm/models/mistral/mistral_large4/amd", "index_sharing", REFUSED),
+}
+
+
+@dataclass(frozen=True)
+class ReleaseRules:
+    """Where one vLLM release keeps what `layout` reads, where it moved since 0.33.0."""
+
+    skip_topk: str  # the module that defines compute_skip_topk_layers
+    # The DSA model classes it builds otherwise than 0.33.0 does, or that 0.33.0 lacks.
+    changed: Mapping[str, Mapping[str, CodePath]]
+
+
+RULES: dict[str, ReleaseRules] = {
+    "0.33.0": ReleaseRules("vllm.models.hy_v4.nvidia.attention", {}),
+    "0.34.0": ReleaseRules(
+        "vllm.model_executor.models.utils",
+        {
+            "GlmMoeDsaForCausalLM": _V32_034,
+            "DeepseekV32ForCausalLM": _V32_034,
+            "MiniMaxM3SparseForCausalLM": _MINIMAX_M3_034,
+            "MiniMaxM3SparseForConditionalGeneration": _MINIMAX_M3_034,
+            "MistralLarge4ForCausalLM": _MISTRAL_LARGE4,
+        },
+    ),
+}
 PLATFORMS = ("cuda", "rocm")
+
+
+def installed_vllm() -> str | None:
+    """The installed vLLM's version, None without one."""
+    try:
+        return version("vllm")
+    except PackageNotFoundError:
+        return None
+
+
+VLLM_VERSION = installed_vllm()
+# A vLLM of no release here (status says it is unsupported) is read by the newest one's rules.
+RELEASE = release_of(VLLM_VERSION or "") or RELEASES[-1]
+# The DSA model classes the installed release builds, by platform.
+CODE_PATHS: dict[str, Mapping[str, CodePath]] = {**_CODE_PATHS_033, **RULES[RELEASE].changed}
 
 
 @dataclass(frozen=True)
@@ -150,11 +208,7 @@ def check_config(config: Mapping[str, Any], platform: str = "cuda") -> tuple[Cod
         )
     architecture, model_class = built_class(architectures)
     if model_class not in CODE_PATHS:
-        raise ConfigError(
-            f"{architecture} is not a DSA model: vLLM 0.33.0 builds no layer that hands "
-            "top-k to another for it, and the plugin allocates nothing (the README's "
-            "coverage table lists the DSA architectures)"
-        )
+        raise ConfigError(not_built(architecture))
     path = CODE_PATHS[model_class][platform]
     num_layers = _whole(text, "num_hidden_layers", None, 1)
     if num_layers > MAX_LAYERS:
@@ -167,6 +221,21 @@ def check_config(config: Mapping[str, Any], platform: str = "cuda") -> tuple[Cod
     _whole(text, "index_topk", None, 1)
     _RULE_CHECKS.get(path.rule, lambda text: None)(text)
     return path, {**text, "architectures": [architecture]}
+
+
+def not_built(architecture: str) -> str:
+    """Why the installed vLLM builds no DSA model for `architecture`."""
+    newer = [r for r, rules in RULES.items() if architecture in rules.changed]
+    if newer:
+        return (
+            f"{architecture} is new in vLLM {newer[0]}: the installed vLLM {VLLM_VERSION} "
+            "does not build it, and the plugin allocates nothing for it"
+        )
+    return (
+        f"{architecture} is not a DSA model: vLLM {VLLM_VERSION} builds no layer that hands "
+        "top-k to another for it, and the plugin allocates nothing (the README's "
+        "coverage table lists the DSA architectures)"
+    )
 
 
 def built_class(architectures: list[str]) -> tuple[str, str | None]:
@@ -199,16 +268,32 @@ def _check_dsa(text: Mapping[str, Any]) -> None:
         _whole(text, "index_skip_topk_offset", 2, None)
 
 
-def _check_hy_v4(text: Mapping[str, Any]) -> None:
-    _list_of(text, "layer_types", str)
-    kinds = _list_of(text, "indexer_types", str)
+def _check_full_or_shared(text: Mapping[str, Any], key: str) -> list[str] | None:
+    kinds = _list_of(text, key, str)
     if kinds is not None and (
         len(kinds) != text["num_hidden_layers"] or set(kinds) - {"full", "shared"}
     ):
         raise ConfigError(
-            "indexer_types must hold 'full' or 'shared' for each of the "
+            f"{key} must hold 'full' or 'shared' for each of the "
             f"{text['num_hidden_layers']} layers, got {kinds!r}"
         )
+    return kinds
+
+
+def _check_dsa_indexer_types(text: Mapping[str, Any]) -> None:
+    if _check_full_or_shared(text, "indexer_types") is None:
+        _check_dsa(text)
+
+
+def _check_hy_v4(text: Mapping[str, Any]) -> None:
+    _list_of(text, "layer_types", str)
+    _check_full_or_shared(text, "indexer_types")
+
+
+def _check_index_sharing(text: Mapping[str, Any]) -> None:
+    kinds = _check_full_or_shared(text, "index_sharing")
+    if kinds is not None and kinds[0] != "full":
+        raise ConfigError(f"index_sharing must start with 'full' (vLLM refuses it), got {kinds!r}")
 
 
 def _check_deepseek_v41(text: Mapping[str, Any]) -> None:
@@ -243,24 +328,36 @@ def _check_minimax_m3(text: Mapping[str, Any]) -> None:
         )
 
 
+def _check_minimax_m3_layer_types(text: Mapping[str, Any]) -> None:
+    _check_minimax_m3(text)
+    _list_of(text, "layer_types", str)
+
+
 _RULE_CHECKS = {
     "dsa": _check_dsa,
+    "dsa_indexer_types": _check_dsa_indexer_types,
     "hy_v4": _check_hy_v4,
     "deepseek_v41": _check_deepseek_v41,
     "minimax_m3": _check_minimax_m3,
+    "minimax_m3_layer_types": _check_minimax_m3_layer_types,
+    "index_sharing": _check_index_sharing,
 }
 
 
 # Rules (vLLM's) ---------------------------------------------------------------
 
 
-def leader_mask(config: Mapping[str, Any]) -> list[bool]:
-    """True for each decoder layer that computes its own top-k, on the DSA paths."""
-    from vllm.models.hy_v4.nvidia.attention import compute_skip_topk_layers
+def skip_topk_rule() -> Callable[[Any], set[int]]:
+    """vLLM's compute_skip_topk_layers, from where the installed release keeps it."""
+    return importlib.import_module(RULES[RELEASE].skip_topk).compute_skip_topk_layers
 
+
+def leader_mask(config: Mapping[str, Any]) -> list[bool]:
+    """True for each decoder layer that computes its own top-k, on the DSA paths that read
+    index_topk_freq / index_topk_pattern / index_skip_topk_offset and never indexer_types."""
     pattern = config.get("index_topk_pattern")
     num_layers = config["num_hidden_layers"]
-    skip = compute_skip_topk_layers(
+    skip = skip_topk_rule()(
         SimpleNamespace(
             index_topk=config.get("index_topk", 1),
             num_hidden_layers=num_layers,
@@ -283,9 +380,9 @@ def _hy_v4_roles(text: dict) -> tuple[list[int], list[int], list[str]]:
     except (StrictDataclassError, TypeError, ValueError) as e:
         raise ConfigError(f"vLLM's HYV4Config refuses it: {e}") from None
     # Only now: the model code takes twice as long to import as the config class.
-    from vllm.models.hy_v4.nvidia.attention import _SPARSE_LAYER_TYPES, compute_skip_topk_layers
+    from vllm.models.hy_v4.nvidia.attention import _SPARSE_LAYER_TYPES
 
-    skip = compute_skip_topk_layers(config)
+    skip = skip_topk_rule()(config)
     kinds = config.layer_types or []
     sparse = [
         i
@@ -330,6 +427,79 @@ def _minimax_m3_followers(text: dict) -> list[int]:
     return [i for i in range(text["num_hidden_layers"]) if _should_skip_index_topk(config, i)]
 
 
+def _minimax_m3_layer_types_followers(text: dict) -> list[int]:
+    """vLLM 0.34.0's `_should_skip_index_topk` on its config class's sparse `layer_types`,
+    restated: its module imports vllm.platforms.rocm, which asks a ROCm GPU for its
+    architecture at import (a CPU host has none)."""
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers import MiniMaxM3VLTextConfig
+
+    try:
+        config = MiniMaxM3VLTextConfig.from_dict(text)
+    except (StrictDataclassError, TypeError, ValueError) as e:
+        raise ConfigError(f"transformers' MiniMaxM3VLTextConfig refuses it: {e}") from None
+    freq = int(getattr(config, "index_topk_freq", 1) or 1)
+    if not getattr(config, "use_index_cache", False) or freq <= 1:
+        return []
+    offset = int(getattr(config, "index_skip_topk_offset", 0) or 0)
+    sparse = [i for i, kind in enumerate(config.layer_types) if kind == "minimax_m3_sparse"]
+    return [i for ordinal, i in enumerate(sparse) if max(ordinal - offset, 0) % freq != 0]
+
+
+def _indexer_types_mask(text: dict) -> list[bool]:
+    """The leaders of a path that calls compute_skip_topk_layers on its whole config."""
+    skip = skip_topk_rule()(SimpleNamespace(**text))
+    return [i not in skip for i in range(text["num_hidden_layers"])]
+
+
+def _index_sharing_mask(text: dict) -> list[bool]:
+    """Mistral Large 4's layers that run their own indexer, by vLLM's layer specs."""
+    from vllm.models.mistral.common.layer_spec import get_layer_specs
+
+    config = SimpleNamespace(
+        num_hidden_layers=text["num_hidden_layers"],
+        index_topk=text["index_topk"],
+        index_sharing=text.get("index_sharing"),
+    )
+    return [spec.has_indexer for spec in get_layer_specs(config)]
+
+
+_LEADER_MASKS: dict[str, Callable[[dict], list[bool]]] = {
+    "dsa": leader_mask,
+    "dsa_indexer_types": _indexer_types_mask,
+    "index_sharing": _index_sharing_mask,
+}
+_FOLLOWERS: dict[str, Callable[[dict], list[int]]] = {
+    "minimax_m3": _minimax_m3_followers,
+    "minimax_m3_layer_types": _minimax_m3_layer_types_followers,
+}
+
+
+def _dsa_notes(rule: str, text: dict) -> list[str]:
+    """What vLLM reads of the index_topk keys on a `dsa` path, where a reader may not expect."""
+    num_layers = text["num_hidden_layers"]
+    pattern = text.get("index_topk_pattern")
+    notes: list[str] = []
+    if rule not in ("dsa", "dsa_indexer_types"):
+        return notes
+    if rule == "dsa_indexer_types" and text.get("indexer_types") is not None:
+        ignored = {"index_topk_freq", "index_topk_pattern", "index_skip_topk_offset"} & text.keys()
+        if ignored:
+            notes.append(f"indexer_types decides: vLLM ignores {' / '.join(sorted(ignored))}")
+        return notes
+    if rule == "dsa" and text.get("indexer_types") is not None:
+        notes.append(
+            f"vLLM {VLLM_VERSION} reads no indexer_types on this path: leaders come from "
+            "index_topk_freq / index_topk_pattern / index_skip_topk_offset"
+        )
+    if pattern is not None and len(pattern) < num_layers:
+        notes.append(
+            f"index_topk_pattern covers {len(pattern)} of {num_layers} layers: "
+            "the rest run their own indexer"
+        )
+    return notes
+
+
 def layout(path: CodePath, text: dict) -> Layout:
     """`text` (from `check_config`) laid out by vLLM's rule for `path`."""
     num_layers = text["num_hidden_layers"]
@@ -337,22 +507,19 @@ def layout(path: CodePath, text: dict) -> Layout:
     followers: list[int] = []
     notes: list[str] = []
     buffers: tuple[tuple[str, int], ...] = ()
-    if path.rule == "dsa":
-        mask = leader_mask(text)
+    if path.rule in _LEADER_MASKS:
+        mask = _LEADER_MASKS[path.rule](text)
         leaders = [i for i, lead in enumerate(mask) if lead]
         followers = [i for i, lead in enumerate(mask) if not lead]
-        pattern = text.get("index_topk_pattern")
-        if pattern is not None and len(pattern) < num_layers:
-            notes.append(
-                f"index_topk_pattern covers {len(pattern)} of {num_layers} layers: "
-                "the rest run their own indexer"
-            )
+        notes = _dsa_notes(path.rule, text)
     elif path.rule == "hy_v4":
         leaders, followers, notes = _hy_v4_roles(text)
     elif path.rule == "deepseek_v41":
         followers, buffers, notes = _deepseek_v41_roles(text)
-    elif path.rule == "minimax_m3":
-        followers = _minimax_m3_followers(text)
+    elif path.rule in _FOLLOWERS:
+        followers = _FOLLOWERS[path.rule](text)
+    if release_of(VLLM_VERSION or "") is None:
+        notes.append(f"vLLM {VLLM_VERSION} is none of {SUPPORTED_VLLM}: read by {RELEASE}'s rules")
     if path.copies == GROUPS:
         groups = groups_with_followers([i not in followers for i in range(num_layers)])
     else:
