@@ -284,3 +284,20 @@ def test_failed_registration_never_raises_and_falls_back_to_the_guard(tmp_path):
 )
 def test_sharing_keys(config, keys):
     assert guard.sharing_keys(SimpleNamespace(**config)) == keys
+
+
+def test_guard_refuses_mistral_index_sharing():
+    """Mistral Large 4 (vLLM 0.34.0): vLLM's config adapter writes `dsa.sharing` as a per-layer
+    `index_sharing` list of "full" / "shared" (tests/test_patch_mistral.py builds it through
+    the adapter); a "shared" layer reuses the top-k of the "full" one before it."""
+    shared = SimpleNamespace(index_topk=64, index_sharing=["full", "full", "shared", "shared"])
+    assert guard.sharing_keys(shared) == ["index_sharing with 'shared'"]
+    assert guard.sharing_keys(SimpleNamespace(index_topk=64, index_sharing=["full"] * 4)) == []
+    model_config = SimpleNamespace(architecture="MistralLarge4ForCausalLM", hf_text_config=shared)
+    config = SimpleNamespace(
+        model_config=model_config, parallel_config=SimpleNamespace(enable_dbo=True)
+    )
+    with pytest.raises(ValueError, match="index_sharing with 'shared'"):
+        guard.refuse_unfixed(config, "why.")
+    config.parallel_config.enable_dbo = False
+    guard.refuse_unfixed(config, "why.")

@@ -28,6 +28,9 @@ import pytest
 
 import fresh
 import vllm_dsa_dbo
+import vllm_sdist
+from vllm_dsa_dbo import patches
+from vllm_dsa_dbo.patches import mistral_attention
 
 REPO = Path(__file__).resolve().parents[1]
 CORE_TEST = "tests/test_core.py::test_dbo_ubatch_followers_read_their_own_leaders_topk"
@@ -69,6 +72,8 @@ MEMORY_BUILT_TEST = "tests/test_cli.py::test_memory_follows_the_architecture_vll
 AB_QUESTIONS_TEST = "tests/test_ab.py::test_runs_on_other_questions_are_refused"
 AB_TWO_RUNS_TEST = "tests/test_ab.py::test_a_folder_with_two_runs_is_refused"
 UPSTREAM = "tests/test_upstream_patch.py"
+# The installed release's change, the data upstream-patch writes in its trees.
+UPSTREAM_CHANGE = f"upstream.change_{vllm_sdist.VERSION.replace('.', '_')}"
 UPSTREAM_CODE_TEST = (
     f"{UPSTREAM}::test_model_passes_the_microbatch_count_and_writers_take_the_impls_buffer"
 )
@@ -385,6 +390,18 @@ except KeyError:
         "pass",
         GUARD_TEST,
     ),
+    "a point release's changed seam patched blind": edit(
+        "patches:_outcome",
+        "patch.check(target) or misfit(patch, target, release())",
+        "patch.check(target)",
+        f"{LIVE}::test_point_release_patched_seam_by_seam",
+    ),
+    "another series taken for a supported release": edit(
+        "settings:release_of",
+        "Version(r).release[:2] == series",
+        "True",
+        GUARD_TEST,
+    ),
     "the patches a vLLM carries applied over its own": edit(
         "patches:_outcome",
         "patch.in_tree(target)",
@@ -535,31 +552,34 @@ except KeyError:
         "ab:samples_file", "len(files) > 1", "False", AB_TWO_RUNS_TEST
     ),
     "upstream change builds the model with one microbatch": text(
-        "upstream.change",
-        "            get_num_ubatches(vllm_config.parallel_config),\n",
-        "",
+        UPSTREAM_CHANGE,
+        "\n            get_num_ubatches(vllm_config.parallel_config),\n",
+        "\n",
         UPSTREAM_CODE_TEST,
     ),
     "upstream change adds a mypy error": text(
-        "upstream.change",
+        UPSTREAM_CHANGE,
         "                self.impl.topk_indices_buffer,  # type: ignore[attr-defined]\n",
         "                self.impl.topk_indices_buffer,\n",
         UPSTREAM_HOOKS_TEST,
     ),
     "upstream change calls torch.cuda": text(
-        "upstream.change",
+        UPSTREAM_CHANGE,
         "        group.set_logical_topk_ready(leader_index)\n",
         "        group.set_logical_topk_ready(leader_index)\n        torch.cuda.synchronize()\n",
         UPSTREAM_HOOKS_TEST,
     ),
-    "upstream-patch patches a statement that differs from 0.33.0's": edit(
+    "upstream-patch patches a statement that differs from its release's": edit(
         "upstream:patched",
-        'if differ: raise PatchRefused(path, differ[0], f"differs from vLLM {VERSION}\'s")',
+        'if differ: raise PatchRefused(path, differ[0], f"differs from vLLM {change.version}\'s")',
         "",
         UPSTREAM_REFUSAL_TEST,
     ),
     "upstream-patch patches another version": edit(
-        "upstream:check_version", "version != VERSION", "False", UPSTREAM_VERSION_TEST
+        "upstream:release",
+        "version is not None and version not in RELEASES",
+        "False",
+        UPSTREAM_VERSION_TEST,
     ),
     "upstream-patch exits 0 on a tree it refuses": edit(
         "cli:upstream_patch",
@@ -570,7 +590,57 @@ except KeyError:
     "upstream-patch --dry-run writes": edit(
         "cli:upstream_patch", "args.dry_run", "False", UPSTREAM_DRY_RUN_TEST
     ),
+    "Mistral Large 4's index_sharing not matched by the guard": edit(
+        "guard:sharing_keys",
+        '"shared" in (getattr(text_config, "index_sharing", None) or ())',
+        "False",
+        f"{GUARD}::test_guard_refuses_mistral_index_sharing",
+    ),
 }
+
+# Mistral Large 4 came in vLLM 0.34.0: its mutations apply where its patches have a seam.
+MISTRAL = "tests/test_patch_mistral.py"
+MISTRAL_TEST = f"{MISTRAL}::test_mistral_followers_read_their_own_leaders_topk[fused]"
+MISTRAL_UNWIRED_TEST = f"{MISTRAL}::test_mistral_leader_with_an_unwired_writer_is_refused"
+MISTRAL_ROCM_TEST = f"{MISTRAL}::test_mistral_paths_left_unfixed_are_refused_at_load[rocm]"
+if patches.matters(mistral_attention.PATCH):
+    MUTATIONS |= {
+        "Mistral indexer and its op left as vLLM's": skip("mistral_indexer", MISTRAL_TEST),
+        "Mistral leaders not wired": skip("mistral_attention", MISTRAL_TEST),
+        "Mistral fused Q launch clears microbatch 0's top-k": edit(
+            "patches.mistral_indexer:apply",
+            "indexer.topk_indices_buffer = property(_get, _set)",
+            "pass",
+            MISTRAL_TEST,
+        ),
+        "Mistral indexer op writes microbatch 0's top-k": edit(
+            "patches.mistral_indexer:apply",
+            "target.SparseAttnIndexer = per_ubatch_indexer_op(target.SparseAttnIndexer)",
+            "pass",
+            MISTRAL_TEST,
+        ),
+        "Mistral writers not given their leader's group": edit(
+            "patches.mistral_attention:wire", "writer.index_group = group", "pass", MISTRAL_TEST
+        ),
+        "Mistral groups never marked wired": edit(
+            "patches.mistral_attention:wire",
+            "group.leader_writes_follow_impl = True",
+            "pass",
+            MISTRAL_TEST,
+        ),
+        "Mistral group marked wired whatever its leader's writers": edit(
+            "patches.mistral_attention:wire",
+            'if not all(hasattr(writer, "index_group") for writer in writers):\n    return',
+            "pass",
+            MISTRAL_UNWIRED_TEST,
+        ),
+        "Mistral on ROCm, its leaders unwired, loaded under DBO": edit(
+            "diagnostics.refusals:shares_topk_across_ubatches",
+            "return not (copied and group.leader_writes_follow_impl)",
+            "return not copied",
+            MISTRAL_ROCM_TEST,
+        ),
+    }
 
 
 def copy_package(root: Path, *mutations: Mutation) -> Path:

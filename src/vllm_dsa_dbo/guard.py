@@ -18,6 +18,7 @@ SHARING_KEYS = (
     "indexer_types with 'shared'",
     "index_source_layer_ids",
     "candidate_source_layer_id",
+    "index_sharing with 'shared'",
     "use_index_cache with index_topk_freq > 1",
 )
 _GUARDED = "_vllm_dsa_dbo_guard"
@@ -53,6 +54,7 @@ def sharing_keys(text_config: Any) -> list[str]:
         "shared" in (getattr(text_config, "indexer_types", None) or ()),
         bool(getattr(text_config, "index_source_layer_ids", None)),
         source is not None and source != -1,
+        "shared" in (getattr(text_config, "index_sharing", None) or ()),
     ]
     return [key for key, hit in zip(SHARING_KEYS, found) if hit]
 

@@ -145,11 +145,13 @@ def check_wired(model: Any, num_ubatches: int = 1) -> None:
     if any(left_shared(g, num_ubatches) for g in index_groups(model)):
         raise ValueError(
             f"vllm-dsa-dbo: {type(model).__name__} shares top-k between layers "
-            "(index_topk_freq > 1 or an index_topk_pattern), but on this code path "
+            "(index_topk_freq > 1, an index_topk_pattern or a 'shared' index_sharing), "
+            "but on this code path "
             "its leader layers write the top-k without going through the "
             "per-microbatch buffers (covered: vLLM's DeepSeek-V3.2 / GLM-5 paths, "
             "vllm/models/deepseek_v32/nvidia and amd, HYV4 on CUDA, "
-            "vllm/models/hy_v4/nvidia, and the compiled deepseek_v2 / glm4_moe_lite "
+            "vllm/models/hy_v4/nvidia, Mistral Large 4 on CUDA, "
+            "vllm/models/mistral/nvidia, and the compiled deepseek_v2 / glm4_moe_lite "
             "DSA path on CUDA). With dual batch "
             "overlap its followers would read the other microbatch's top-k "
             "(where a vllm-dsa-dbo patch was left unapplied, a warning at startup "
