@@ -227,19 +227,26 @@ def test_off_switch_keeps_the_refusals_and_stock_is_explicit(tmp_path, env, buil
         assert "CORRUPTED" not in log
 
 
-def test_guard_refuses_minimax_m3_with_index_cache():
-    """MiniMax-M3's config has no index_topk; the guard (other versions, or 0.33.0
-    without its load-time check) matches its use_index_cache rule."""
-    model_config = SimpleNamespace(
-        architecture="MiniMaxM3SparseForCausalLM", hf_text_config=MINIMAX_M3_INDEX_CACHE
-    )
+def refused_under_dbo_only(architecture: str, text_config: object, key: str) -> None:
+    """The guard refuses `text_config` with DBO, naming `key`, and passes it without."""
+    model_config = SimpleNamespace(architecture=architecture, hf_text_config=text_config)
     config = SimpleNamespace(
         model_config=model_config, parallel_config=SimpleNamespace(enable_dbo=True)
     )
-    with pytest.raises(ValueError, match="use_index_cache with index_topk_freq > 1"):
+    with pytest.raises(ValueError, match=key):
         guard.refuse_unfixed(config, "why.")
     config.parallel_config.enable_dbo = False
     guard.refuse_unfixed(config, "why.")
+
+
+def test_guard_refuses_minimax_m3_with_index_cache():
+    """MiniMax-M3's config has no index_topk; the guard (other versions, or a supported one
+    without its load-time check) matches its use_index_cache rule."""
+    refused_under_dbo_only(
+        "MiniMaxM3SparseForCausalLM",
+        MINIMAX_M3_INDEX_CACHE,
+        "use_index_cache with index_topk_freq > 1",
+    )
 
 
 def test_failed_registration_never_raises_and_falls_back_to_the_guard(tmp_path):
@@ -293,11 +300,4 @@ def test_guard_refuses_mistral_index_sharing():
     shared = SimpleNamespace(index_topk=64, index_sharing=["full", "full", "shared", "shared"])
     assert guard.sharing_keys(shared) == ["index_sharing with 'shared'"]
     assert guard.sharing_keys(SimpleNamespace(index_topk=64, index_sharing=["full"] * 4)) == []
-    model_config = SimpleNamespace(architecture="MistralLarge4ForCausalLM", hf_text_config=shared)
-    config = SimpleNamespace(
-        model_config=model_config, parallel_config=SimpleNamespace(enable_dbo=True)
-    )
-    with pytest.raises(ValueError, match="index_sharing with 'shared'"):
-        guard.refuse_unfixed(config, "why.")
-    config.parallel_config.enable_dbo = False
-    guard.refuse_unfixed(config, "why.")
+    refused_under_dbo_only("MistralLarge4ForCausalLM", shared, "index_sharing with 'shared'")
