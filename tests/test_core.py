@@ -157,7 +157,7 @@ def test_dbo_ubatch_other_threads_resolve_ubatch0_while_microbatches_run(fake_gp
     assert seen == [(stack.buffer, ubatch0)]
 
 
-def test_dbo_ubatch_group_built_without_init_reads_as_stock(fake_gpu):
+def test_dbo_ubatch_group_built_without_init_reads_as_stock(fake_gpu, monkeypatch):
     """vLLM's GPU-only tests build groups with `object.__new__` and set only what the code
     under test reads; an unset field raises AttributeError, as a plain one does (`hasattr`,
     `getattr` with a default and a dataclass's repr rely on it)."""
@@ -178,6 +178,8 @@ def test_dbo_ubatch_group_built_without_init_reads_as_stock(fake_gpu):
 
     import torch
 
+    # vLLM 0.34.0's HiSparse group records on the accelerator's current stream.
+    monkeypatch.setattr(torch.accelerator, "current_stream", lambda *args: FakeStream())
     group.has_indexer, group.logical_topk_ready = True, torch.Event()
     group.set_logical_topk_ready(0)
     assert group.logical_topk_ready.recorded_by == 0
