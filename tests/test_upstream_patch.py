@@ -1,4 +1,5 @@
-"""`vllm-dsa-dbo upstream-patch`: a vLLM 0.33.0 tree that carries the fix natively.
+"""`vllm-dsa-dbo upstream-patch`: a tree of the installed vLLM release that carries the fix
+natively, and the command that regenerates the change's data.
 
 The small trees hold the released files the change touches and those vLLM's
 pre-commit hooks read, from vLLM's sdist (tests/vllm_sdist.py's cache), with the
@@ -9,6 +10,7 @@ the whole released source tree and runs vLLM's own tests in it.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -26,11 +28,21 @@ import vllm_sdist
 from test_cli import cli
 from vllm_dsa_dbo import upstream
 from vllm_dsa_dbo.cli import main
+from vllm_dsa_dbo.upstream import regenerate
 
+CHANGE = upstream.RELEASES.get(vllm_sdist.VERSION)
+pytestmark = pytest.mark.skipif(
+    CHANGE is None, reason=f"the change has no data for vLLM {vllm_sdist.VERSION}"
+)
+VERSION = vllm_sdist.VERSION
+EDITS = CHANGE.edits if CHANGE else ()
+NEW_TESTS = sum(CHANGE.tests.values(), []) if CHANGE else []
 RUNNER = Path(__file__).with_name("tree_dbo_ubatch.py")
 INDEX_GROUP = "vllm/v1/attention/backends/mla/index_group.py"
 SPARSE_MLA = "vllm/model_executor/layers/attention/sparse_mla_attention.py"
 DSV32_ATTENTION = "vllm/models/deepseek_v32/attention.py"
+MISTRAL_ATTENTION = "vllm/models/mistral/nvidia/attention.py"
+ADDED = [p for p in EDITS if upstream.NEW_FILE in CHANGE.files[p]] if CHANGE else []
 # What vLLM's hooks read besides the files they check.
 HOOK_INPUTS = ("PKG-INFO", "pyproject.toml", ".pre-commit-config.yaml", "tools/", ".buildkite/")
 # vLLM's local hooks that check Python files (.pre-commit-config.yaml, repo: local).
@@ -54,7 +66,10 @@ def released(tmp_path_factory) -> Path:
     except vllm_sdist.SdistUnavailable as e:
         pytest.skip(f"vLLM's sdist not available: {e}")
     dest = tmp_path_factory.mktemp("released")
-    return upstream_tree.extract_files(sdist, dest, (*upstream.EDITS, *HOOK_INPUTS))
+    root = upstream_tree.extract_files(sdist, dest, (*EDITS, *HOOK_INPUTS))
+    for path in ADDED:  # its folder, as in the whole tree
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+    return root
 
 
 def small_tree(released: Path, root: Path, link: bool = False) -> Path:
@@ -96,7 +111,8 @@ def run_new_test(root: Path) -> subprocess.CompletedProcess:
 
 def test_new_test_passes_in_the_patched_tree(released, tmp_path):
     result = run_new_test(patched_tree(released, tmp_path, link=True))
-    assert "1 passed" in result.stdout, result.stdout[-3000:] + result.stderr[-3000:]
+    out = result.stdout
+    assert f"{len(NEW_TESTS)} passed" in out, out[-3000:] + result.stderr[-3000:]
 
 
 # Each half of the fix taken out of the patched tree: (file, what the change wrote, instead).
@@ -116,7 +132,15 @@ HALVES = {
         "        if group_index == 1 and self.num_ubatches > 1:\n",
         "        if False:\n",
     ),
+    # Mistral Large 4 (vLLM 0.34.0): its leader's writers, where the change has them.
+    "a Mistral leader's indexer writes the model's buffer": (
+        MISTRAL_ATTENTION,
+        "            topk_indices_buffer = self.attn.impl.topk_indices_buffer"
+        "  # type: ignore[attr-defined]\n",
+        "            topk_indices_buffer = indexer.topk_indices_buffer\n",
+    ),
 }
+HALVES = {name: half for name, half in HALVES.items() if half[0] in EDITS}
 
 
 @pytest.mark.parametrize("half", HALVES)
@@ -129,34 +153,47 @@ def test_new_test_fails_on_the_bug_with_half_the_fix_removed(released, tmp_path,
     (tree / path).write_text(text.replace(written, instead))
     result = run_new_test(tree)
     out = result.stdout
-    assert "1 failed" in out and "AssertionError" in out, out[-3000:]
+    assert re.search(r"\b\d+ failed", out) and "AssertionError" in out, out[-3000:]
     assert not re.search(r"\b(Type|Attribute|Key|Index)Error\b", out), out[-3000:]
 
 
+def mypy_groups(root: Path, files: list[str]) -> dict[str, list[str]]:
+    """`files` grouped as vLLM's mypy hook groups them (its tools/pre_commit/mypy.py), one
+    mypy call each: the default group follows imports, the others skip them."""
+    spec = importlib.util.spec_from_file_location("mypy_hook", root / "tools/pre_commit/mypy.py")
+    assert spec is not None and spec.loader is not None
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    return {group: found for group, found in hook.group_files(files).items() if found}
+
+
 def mypy_errors(root: Path) -> set[str]:
-    """mypy's errors in the touched files, as vLLM's hook runs it, without line numbers.
+    """mypy's errors in the touched files `root` has, as vLLM's hook runs it, without line
+    numbers.
 
     Every tree here is vLLM's sdist, differing at most in the touched files: what mypy
     says of a tree is kept under those files' text, mypy's version and what it reads
     besides (the sdist, the installed torch and vLLM), so that no tree is checked twice.
     """
-    # One cache for every tree and run: a warm one takes seconds, a cold one minutes.
+    # One cache per group for every tree and run: a warm one takes seconds, a cold one minutes.
     cache = vllm_sdist.CACHE / "mypy"
+    files = [path for path in EDITS if (root / path).is_file()]
     inputs = [vllm_sdist.sha256(vllm_sdist.fetch())]
     inputs += [f"{name} {version(name)}" for name in ("mypy", "torch", "vllm")]
-    inputs += [(root / path).read_text() for path in upstream.EDITS]
+    inputs += [(path, (root / path).read_text()) for path in files]
     known = cache / "errors" / f"{hashlib.sha256(json.dumps(inputs).encode()).hexdigest()}.json"
     if known.is_file():
         return set(json.loads(known.read_text()))
-    result = subprocess.run(
-        [sys.executable, "-m", "mypy", "--python-version", "3.11", "--cache-dir", str(cache)]
-        + list(upstream.EDITS),
-        cwd=root,
-        capture_output=True,
-        text=True,
-    )
-    assert result.returncode in (0, 1), result.stdout[-3000:] + result.stderr[-3000:]
-    errors = {re.sub(r":\d+: ", ": ", x) for x in result.stdout.splitlines() if ": error: " in x}
+    errors = set()
+    for group, found in mypy_groups(root, files).items():
+        command = [sys.executable, "-m", "mypy", "--python-version", "3.11"]
+        command += ["--cache-dir", str(cache / (group.replace("/", "-") or "default"))]
+        command += ["--follow-imports", "skip"] if group else []
+        result = subprocess.run(command + found, cwd=root, capture_output=True, text=True)
+        assert result.returncode in (0, 1), result.stdout[-3000:] + result.stderr[-3000:]
+        errors |= {
+            re.sub(r":\d+: ", ": ", x) for x in result.stdout.splitlines() if ": error: " in x
+        }
     known.parent.mkdir(parents=True, exist_ok=True)
     partial = known.with_suffix(f".{os.getpid()}")
     partial.write_text(json.dumps(sorted(errors)))
@@ -176,11 +213,11 @@ def test_patched_tree_passes_vllms_hooks_and_adds_no_mypy_error(released, tmp_pa
     assert main(["upstream-patch", str(tree)]) == 0
     ruff = [sys.executable, "-m", "ruff"]
     for command in ([*ruff, "check"], [*ruff, "format", "--check"]):
-        result = subprocess.run([*command, *upstream.EDITS], cwd=tree, capture_output=True)
+        result = subprocess.run([*command, *EDITS], cwd=tree, capture_output=True)
         assert result.returncode == 0, result.stdout.decode()
     for hook in LOCAL_HOOKS:
         result = subprocess.run(
-            [sys.executable, f"tools/pre_commit/{hook}.py", *upstream.EDITS],
+            [sys.executable, f"tools/pre_commit/{hook}.py", *EDITS],
             cwd=tree,
             capture_output=True,
             text=True,
@@ -252,14 +289,33 @@ def test_plugin_in_a_patched_tree_retires_only_what_the_tree_carries(released, t
     )
 
 
+# The edits the CPU tests cannot reach, as the patched files hold them: per file, each text
+# and how often. They run in models that need a GPU to build (DeepseekV32Model and
+# DeepseekV32Attention; MistralLarge4Model and MistralIndexer, vLLM 0.34.0).
+WRITTEN = {
+    "vllm/models/deepseek_v32/nvidia/model.py": {
+        "            get_num_ubatches(vllm_config.parallel_config),\n": 1,
+    },
+    DSV32_ATTENTION: {"self.impl.topk_indices_buffer,  # type: ignore[attr-defined]\n": 2},
+    "vllm/models/mistral/mistral_large4/nvidia/model.py": {
+        "                get_num_ubatches(vllm_config.parallel_config),\n": 1,
+    },
+    # Both writers: the fused Q launch and the op, given the buffer before each call.
+    "vllm/models/mistral/nvidia/indexer.py": {
+        "topk_indices=topk_indices_buffer if self.fuse_k_cache else None,\n": 1,
+        "        self.indexer_op.topk_indices_buffer = topk_indices_buffer\n": 1,
+        "self.indexer_op(hidden_states, q_fp8, k, weights)": 2,
+    },
+}
+
+
 def test_model_passes_the_microbatch_count_and_writers_take_the_impls_buffer(released, tmp_path):
-    """The two edits the CPU test cannot reach: they run in DeepseekV32Model and
-    DeepseekV32Attention, which need a GPU to build."""
+    """The models build their index groups for the run's microbatches, and the leaders'
+    writers take the buffer their impl resolves."""
     tree = patched_tree(released, tmp_path)
-    model = (tree / "vllm/models/deepseek_v32/nvidia/model.py").read_text()
-    assert "            get_num_ubatches(vllm_config.parallel_config),\n" in model
-    attention = (tree / DSV32_ATTENTION).read_text()
-    assert attention.count("self.impl.topk_indices_buffer,") == 2
+    for path in set(WRITTEN) & set(EDITS):
+        text = (tree / path).read_text()
+        assert {x: text.count(x) for x in WRITTEN[path]} == WRITTEN[path], path
 
 
 def test_diff_applies_with_git_and_dry_run_writes_nothing(released, tmp_path, capsys):
@@ -268,7 +324,7 @@ def test_diff_applies_with_git_and_dry_run_writes_nothing(released, tmp_path, ca
     assert main(["upstream-patch", "--dry-run", str(tree)]) == 0
     diff = capsys.readouterr().out
     assert snapshot(tree) == before
-    assert diff.count("diff --git a/") == len(upstream.EDITS)
+    assert diff.count("diff --git a/") == len(EDITS)
     (tmp_path / "fix.diff").write_text(diff)
     # Outside a repository `git apply` works as `patch` does, on the files under cwd.
     subprocess.run(["git", "apply", "--check", str(tmp_path / "fix.diff")], cwd=tree, check=True)
@@ -299,7 +355,11 @@ def assign_buffer_before_super_init(tree: Path) -> None:
     """DeepseekV32Attention.__init__ sets its buffer before MLAAttention's __init__."""
     file = tree / DSV32_ATTENTION
     lines = file.read_text().splitlines(keepends=True)
-    assign = lines.index("        self.topk_indices_buffer = topk_indices_buffer\n")
+    assign = max(
+        i
+        for i, line in enumerate(lines)
+        if line == "        self.topk_indices_buffer = topk_indices_buffer\n"
+    )
     moved = lines.pop(assign)
     lines.insert(lines.index("        super().__init__(\n"), moved)
     file.write_text("".join(lines))
@@ -319,10 +379,10 @@ MISFITS = {
     "changed context line": (
         edit(
             INDEX_GROUP,
-            "        compute_stream = current_stream()\n",
-            "        compute_stream = s\n",
+            "        self.num_layers += 1\n",
+            "        self.num_layers = self.num_layers + 1\n",
         ),
-        f"{INDEX_GROUP}: SparseMLAIndexGroup: differs from vLLM 0.33.0's",
+        f"{INDEX_GROUP}: SparseMLAIndexGroup: differs from vLLM {VERSION}'s",
     ),
     "builder method renamed": (
         edit(
@@ -330,15 +390,23 @@ MISFITS = {
             "    def register_layer(\n        self,\n        is_index",
             "    def add(\n        self,\n        is_index",
         ),
-        f"{INDEX_GROUP}: SparseMLAIndexGroupBuilder: differs from vLLM 0.33.0's",
+        f"{INDEX_GROUP}: SparseMLAIndexGroupBuilder: differs from vLLM {VERSION}'s",
     ),
     "another version": (
-        edit("PKG-INFO", "\nVersion: 0.33.0\n", "\nVersion: 0.34.0\n"),
-        "PKG-INFO: Version: is 0.34.0, the change is for 0.33.0",
+        edit("PKG-INFO", f"\nVersion: {VERSION}\n", "\nVersion: 0.32.0\n"),
+        f"PKG-INFO: Version: is 0.32.0, the change is for {' or '.join(upstream.RELEASES)}",
     ),
     "buffer assigned before super().__init__()": (
         assign_buffer_before_super_init,
-        f"{DSV32_ATTENTION}: DeepseekV32Attention: differs from vLLM 0.33.0's",
+        f"{DSV32_ATTENTION}: DeepseekV32Attention: differs from vLLM {VERSION}'s",
+    ),
+    "empty file": (
+        write_bytes(INDEX_GROUP, b""),
+        f"{INDEX_GROUP}: file: holds no statement (empty or comments only)",
+    ),
+    "comments only": (
+        write_bytes(INDEX_GROUP, b"# SPDX-License-Identifier: Apache-2.0\n\n# gone\n"),
+        f"{INDEX_GROUP}: file: holds no statement (empty or comments only)",
     ),
     "class missing": (
         edit(SPARSE_MLA, "class SharedTopkIndicesBuffer:", "class TopkBuffer:"),
@@ -353,6 +421,16 @@ MISFITS = {
     ),
     "file missing": (lambda tree: (tree / DSV32_ATTENTION).unlink(), "missing in this tree"),
 }
+# The test files the change adds (vLLM 0.34.0's Mistral test): there already, or no folder.
+for _path in ADDED:
+    MISFITS[f"{_path} there already"] = (
+        write_bytes(_path, b"def test_other():\n    pass\n"),
+        f"{_path}: file: differs from vLLM {VERSION}'s",
+    )
+    MISFITS[f"{_path}'s folder missing"] = (
+        lambda tree, path=_path: shutil.rmtree((tree / path).parent),
+        f"{_path}: folder: missing in this tree",
+    )
 
 
 @pytest.mark.parametrize("misfit", MISFITS)
@@ -379,7 +457,7 @@ def test_already_patched_tree_is_refused_and_nothing_written(released, tmp_path,
     assert "already changed: the tree carries the fix" in err and "nothing written" in err
     assert snapshot(tree) == before
     # Each file alone: a tree patched in part is refused too.
-    for path in upstream.EDITS:
+    for path in EDITS:
         partial = small_tree(released, tmp_path / path.replace("/", "_"))
         shutil.copyfile(tree / path, partial / path)
         with pytest.raises(upstream.PatchRefused, match="carries the fix"):
@@ -428,7 +506,7 @@ def test_released_tree_patched_runs_vllms_sparse_mla_tests_unchanged(tmp_path):
     _, before = vllm_sdist.run(tree, vllm_sdist.sparse_mla_tests_on_cpu(tree), "stock")
     assert upstream_tree.patch_tree(tree).returncode == 0
     assert upstream_tree.sources_differing_from_installed(tree) == sorted(
-        p for p in upstream.EDITS if p.startswith("vllm/")
+        p for p in EDITS if p.startswith("vllm/")
     )
     assert upstream_tree.imports_from(tree) == str(tree / "vllm" / "__init__.py")
 
@@ -441,3 +519,107 @@ def test_released_tree_patched_runs_vllms_sparse_mla_tests_unchanged(tmp_path):
     summary, mutated = upstream_tree.run(tree, vllm_sdist.sparse_mla_tests_on_cpu(tree))
     failed = {t.rsplit("::", 1)[1] for t, outcome in mutated.items() if outcome == "failure"}
     assert failed == vllm_sdist.BARE_HISPARSE_TESTS, summary
+
+
+@pytest.fixture(scope="module")
+def release_sources() -> Path:
+    """The whole released sdist, extracted once into the cache: never written here."""
+    try:
+        return vllm_sdist.sources(vllm_sdist.fetch())
+    except vllm_sdist.SdistUnavailable as e:
+        pytest.skip(f"vLLM's sdist not available: {e}")
+
+
+def link_tree(source: Path, dest: Path) -> Path:
+    """`source`'s `vllm/` and `tests/` as links to its files (upstream-patch replaces the
+    links of the files it writes), and a copy of its PKG-INFO."""
+    for folder in regenerate.FOLDERS:
+        for parent, _, files in os.walk(source / folder):
+            mirror = dest / Path(parent).relative_to(source)
+            mirror.mkdir(parents=True, exist_ok=True)
+            for name in files:
+                (mirror / name).symlink_to(Path(parent, name))
+    shutil.copyfile(source / "PKG-INFO", dest / "PKG-INFO")
+    return dest
+
+
+def rewrite(root: Path, path: str, old: str, new: str) -> None:
+    """`old`, found once in `path`, replaced by `new` in a file of its own (not the link's)."""
+    text = (root / path).read_text()
+    assert text.count(old) == 1, old
+    (root / path).unlink()
+    (root / path).write_text(text.replace(old, new))
+
+
+def data_module(root: Path) -> Path:
+    return root / f"change_{VERSION.replace('.', '_')}.py"
+
+
+def test_data_is_what_regenerate_writes_from_the_patched_release(release_sources, tmp_path):
+    """The committed data for this release, byte for byte, from its sdist and the tree
+    upstream-patch makes of it."""
+    tree = link_tree(release_sources, tmp_path / "tree")
+    assert main(["upstream-patch", str(tree)]) == 0
+    out = tmp_path / "out"
+    out.mkdir()
+    assert regenerate.main([str(release_sources), str(tree), "--out", str(out)]) == 0
+    assert os.listdir(out) == [data_module(out).name]
+    assert data_module(out).read_text() == data_module(Path(upstream.__file__).parent).read_text()
+
+
+# A pair of trees regenerate refuses: (what differs, in which tree, the refusal).
+REGENERATE_MISFITS = {
+    "another version": (
+        "tree",
+        lambda root: rewrite(root, "PKG-INFO", f"\nVersion: {VERSION}\n", "\nVersion: 0.32.0\n"),
+        f"PKG-INFO: Version: is 0.32.0, the release given is {VERSION}",
+    ),
+    "release statement changed": (
+        "release",
+        lambda root: rewrite(
+            root, INDEX_GROUP, "        self.num_layers += 1\n", "        self.num_layers += 2\n"
+        ),
+        f"{INDEX_GROUP}: SparseMLAIndexGroup: differs from vLLM {VERSION}'s recorded one",
+    ),
+    "statement renamed": (
+        "tree",
+        lambda root: rewrite(
+            root, INDEX_GROUP, "class SparseMLAIndexGroupBuilder:", "class IndexGroupBuilder:"
+        ),
+        f"{INDEX_GROUP}: SparseMLAIndexGroupBuilder: found 0 times in the patched tree",
+    ),
+    "edited file empty": (
+        "tree",
+        lambda root: rewrite(root, INDEX_GROUP, (root / INDEX_GROUP).read_text(), ""),
+        f"{INDEX_GROUP}: file: holds no statement (empty or comments only)",
+    ),
+    "edited file comments only": (
+        "tree",
+        lambda root: rewrite(root, INDEX_GROUP, (root / INDEX_GROUP).read_text(), "# gone\n"),
+        f"{INDEX_GROUP}: file: holds no statement (empty or comments only)",
+    ),
+    "edited file gone": (
+        "tree",
+        lambda root: (root / DSV32_ATTENTION).unlink(),
+        f"{DSV32_ATTENTION}: file: missing in the patched tree",
+    ),
+}
+
+
+@pytest.mark.parametrize("misfit", REGENERATE_MISFITS)
+def test_regenerate_refuses_a_tree_it_cannot_key_and_writes_nothing(
+    release_sources, tmp_path, capsys, misfit
+):
+    which, change, refusal = REGENERATE_MISFITS[misfit]
+    trees = {"release": link_tree(release_sources, tmp_path / "release")}
+    trees["tree"] = link_tree(release_sources, tmp_path / "tree")
+    assert main(["upstream-patch", str(trees["tree"])]) == 0
+    change(trees[which])
+    out = tmp_path / "out"
+    out.mkdir()
+    capsys.readouterr()
+    assert regenerate.main([str(trees["release"]), str(trees["tree"]), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert refusal in err and err.rstrip().endswith("nothing written"), err
+    assert len(err.splitlines()) == 1, err
+    assert os.listdir(out) == []

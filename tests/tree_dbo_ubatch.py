@@ -1,8 +1,9 @@
-"""The upstream change's test, from a vLLM tree's test_sparse_mla_backends.py, on a CPU.
+"""The upstream change's tests, from a vLLM tree's test files, on a CPU.
 
-That module skips itself without CUDA or ROCm, so this one takes the test's
-function from it (by name, through `ast`) and runs it here, with the CPU
-stand-ins for streams and events. Run by pytest in the tree's root.
+vLLM's test_sparse_mla_backends.py skips itself without CUDA or ROCm, so this module takes
+the change's test function from it (by name, through `ast`) and runs it here; a test file the
+change adds runs whole. Both run with the CPU stand-ins for streams and events and on the CPU
+device. Run by pytest in the tree's root, for the installed vLLM's release.
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ from vllm.model_executor.layers.attention.sparse_mla_attention import SharedTopk
 from vllm.v1.attention.backends.mla import index_group as index_group_module
 from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroupBuilder
 
+import vllm_sdist
 from vllm_dsa_dbo import cpu_dbo
-from vllm_dsa_dbo.upstream import NEW_TEST, TEST_FILE
+from vllm_dsa_dbo.upstream import NEW_FILE, RELEASES
 
-# The names the test reads from its module.
+CHANGE = RELEASES[vllm_sdist.VERSION]
+# The names the change's test reads from vLLM's sparse MLA test module.
 NAMESPACE = {
     "DEVICE_TYPE": "cpu",
     "SimpleNamespace": SimpleNamespace,
@@ -30,13 +33,25 @@ NAMESPACE = {
     "torch": torch,
 }
 
-_function = next(
-    node
-    for node in ast.parse(Path(TEST_FILE).read_text()).body
-    if isinstance(node, ast.FunctionDef) and node.name == NEW_TEST
-)
-exec(compile(ast.Module([_function], []), TEST_FILE, "exec"), NAMESPACE)
-globals()[NEW_TEST] = NAMESPACE[NEW_TEST]
+
+def namespace(path: str, names: list[str]) -> dict[str, object]:
+    """The module namespace `names` run in: a file the change adds, whole; else `names`
+    alone, with NAMESPACE."""
+    tree = ast.parse(Path(path).read_text())
+    found: dict[str, object] = {"__name__": Path(path).stem}
+    if NEW_FILE in CHANGE.files[path]:
+        exec(compile(tree, path, "exec"), found)
+        found["DEVICE_TYPE"] = "cpu"
+        return found
+    found.update(NAMESPACE)
+    wanted = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in names]
+    exec(compile(ast.Module(wanted, []), path, "exec"), found)
+    return found
+
+
+for _path, _names in CHANGE.tests.items():
+    _module = namespace(_path, _names)
+    globals().update({name: _module[name] for name in _names})
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,5 @@
-"""vLLM 0.33.0 source trees, unpatched and through `vllm-dsa-dbo upstream-patch`, that run.
+"""vLLM source trees of the installed release, unpatched and through `vllm-dsa-dbo
+upstream-patch`, that run.
 
 A tree is the sdist's `vllm/` and `tests/` (its top-level files too, without
 `vllm.egg-info`, so the installed vLLM's metadata stays the one found). The
@@ -10,13 +11,13 @@ subprocesses): `import vllm` then takes every Python file from the tree.
 
     python tests/upstream_tree.py PYTEST_ARGS   # unpatched, patched: summaries, outcomes
 
-The change's test exists in the patched tree only; every other outcome must match.
+The change's tests exist in the patched tree only; every other outcome must match.
 
 Both trees run at once: on a GPU vLLM's sparse MLA backend tests leave it mostly idle, and
 one tree after the other they take longer than one device call may run.
 
 On a CPU vLLM's sparse MLA tests skip themselves; tests/tree_dbo_ubatch.py runs
-the change's test there, and `vllm_sdist.sparse_mla_tests_on_cpu` the others that need no GPU.
+the change's tests there, and `vllm_sdist.sparse_mla_tests_on_cpu` the others that need no GPU.
 """
 
 from __future__ import annotations
@@ -30,7 +31,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import vllm_sdist
-from vllm_dsa_dbo.upstream import NEW_TEST
+from vllm_dsa_dbo.upstream import RELEASES
+
+# The test functions the change adds, by name.
+NEW_TESTS = {name for names in RELEASES[vllm_sdist.VERSION].tests.values() for name in names}
 
 
 def installed_vllm() -> Path:
@@ -152,14 +156,15 @@ def main(argv: list[str]) -> int:
             lambda t: timed_run(*t, argv), (("unpatched", unpatched), ("patched", patched))
         )
         (_, before), (_, after) = runs
-    new = {t for t in after if t.rsplit("::", 1)[-1].startswith(NEW_TEST)}
+    new = {t for t in after if t.rsplit("::", 1)[-1].split("[")[0] in NEW_TESTS}
     same = before == {t: o for t, o in after.items() if t not in new} and bool(before)
     print("same outcomes, test by test" if same else "OUTCOMES DIFFER (or nothing ran)")
     for test in sorted((set(before) | set(after)) - new):
         if before.get(test) != after.get(test):
             print(f"  {test}: unpatched {before.get(test)}, patched {after.get(test)}")
     fixed = bool(new) and {after[t] for t in new} == {"passed"}
-    print(f"{NEW_TEST}: passes patched" if fixed else f"{NEW_TEST}: DOES NOT PASS patched")
+    names = ", ".join(sorted(NEW_TESTS))
+    print(f"{names}: pass patched" if fixed else f"{names}: DO NOT PASS patched")
     return 0 if same and fixed else 1
 
 

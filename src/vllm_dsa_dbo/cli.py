@@ -573,7 +573,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "upstream-patch",
-        help="edit a vLLM 0.33.0 source tree so that it carries the fix natively; "
+        help="edit a vLLM 0.33.0 or 0.34.0 source tree so that it carries the fix natively; "
         "prints the change as a git diff",
     )
     p.add_argument("src", metavar="SRC", help="root of a vLLM source tree (git checkout or sdist)")

@@ -1,9 +1,13 @@
-"""`vllm-dsa-dbo upstream-patch`: the fix as a change to a vLLM 0.33.0 source tree.
+"""`vllm-dsa-dbo upstream-patch`: the fix as a change to a released vLLM source tree.
 
-Each edit belongs to one top-level statement of a vLLM file, found by `ast` and
-checked against the sha256 of its text in 0.33.0 (`change.CHANGE`): a tree where
-one differs is refused, as `git apply --check` refuses changed context, and
-nothing is written. Only the lines the change writes are kept here.
+Each release's change is data, one module per release (`change_<release>.py`, written by
+`python -m vllm_dsa_dbo.upstream.regenerate` from a patched tree): per vLLM file, each
+top-level statement it edits (named as `statement_name` names it, "" for a file the change
+adds), the sha256 of that statement's text in the release and in a tree that carries the
+change (which tells a second run apart), and its edits, each an `@@ first last` line and the
+lines that replace lines [first, last) of the statement. A tree where a statement differs is
+refused, as `git apply --check` refuses changed context, and nothing is written. Only the
+lines the change writes are kept here.
 """
 
 from __future__ import annotations
@@ -11,21 +15,63 @@ from __future__ import annotations
 import ast
 import difflib
 import hashlib
+import importlib
 import os
+import pkgutil
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
-from vllm_dsa_dbo.upstream.change import CHANGE
+from packaging.version import Version
 
-VERSION = "0.33.0"
-EDITS = tuple(CHANGE)  # the files the change touches, tests included
-TEST_FILE = "tests/v1/attention/test_sparse_mla_backends.py"
-NEW_TEST = "test_sparse_mla_index_group_keeps_topk_per_dbo_ubatch"
-# One edit in `CHANGE`: its `@@ first last` line, then the lines it writes.
+# One edit of a statement: its `@@ first last` line, then the lines it writes.
 EDIT = re.compile(r"^@@ (\d+) (\d+)\n(.*?)(?=^@@ |\Z)", re.M | re.S)
+# What a statement of a file the change adds hashes to in a tree without it.
+ABSENT = hashlib.sha256(b"").hexdigest()
+NEW_FILE = ""
+
+# Per file, per statement: (its sha256 in the release, in a tree with the change, the edits).
+Statements = Mapping[str, Mapping[str, tuple[str, str, str]]]
+
+
+@dataclass(frozen=True)
+class Change:
+    """One release's change."""
+
+    version: str
+    files: Statements
+
+    @property
+    def edits(self) -> tuple[str, ...]:
+        """The files it touches, tests included."""
+        return tuple(self.files)
+
+    @property
+    def tests(self) -> dict[str, list[str]]:
+        """The test functions its lines define, per file."""
+        found: dict[str, list[str]] = {}
+        for path, statements in self.files.items():
+            for _, _, edits in statements.values():
+                for name in re.findall(r"^def (test_\w+)\(", edits, re.M):
+                    found.setdefault(path, []).append(name)
+        return found
+
+
+def _releases() -> dict[str, Change]:
+    """The change of each release this package has data for, oldest first."""
+    found = []
+    for module in pkgutil.iter_modules(__path__, f"{__name__}."):
+        if module.name.rpartition(".")[2].startswith("change_"):
+            data = importlib.import_module(module.name)
+            found.append(Change(data.VERSION, data.CHANGE))
+    return {c.version: c for c in sorted(found, key=lambda c: Version(c.version))}
+
+
+RELEASES = _releases()
 
 
 class PatchRefused(Exception):
@@ -36,7 +82,7 @@ class PatchRefused(Exception):
 
 
 def statement_name(node: ast.stmt) -> str:
-    """How `CHANGE` names a top-level statement: a def's or class's name, an
+    """How the data names a top-level statement: a def's or class's name, an
     import's module, else the statement's first line."""
     if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
         return node.name
@@ -47,20 +93,43 @@ def statement_name(node: ast.stmt) -> str:
 
 def spans(text: str) -> dict[str, list[tuple[int, int]]]:
     """Each top-level statement's name and its lines, from its first (decorators
-    included) to the next statement's first."""
+    included) to the next statement's first; none for a file of comments only."""
     body = ast.parse(text).body
     starts = [
         min([n.lineno, *(d.lineno for d in getattr(n, "decorator_list", []))]) - 1 for n in body
     ]
-    ends = [*starts[1:], len(text.splitlines())]
+    ends = [*starts[1:], len(text.splitlines())][: len(body)]
     found: dict[str, list[tuple[int, int]]] = {}
     for node, first, last in zip(body, starts, ends, strict=True):
         found.setdefault(statement_name(node), []).append((first, last))
     return found
 
 
-def read(root: Path, path: str) -> str:
+def defined(text: str) -> Counter[str]:
+    """The functions and classes a file defines at its top level, by name."""
+    kinds = (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+    return Counter(n.name for n in ast.parse(text).body if isinstance(n, kinds))
+
+
+def parse(path: str, text: str) -> dict[str, list[tuple[int, int]]]:
+    """`spans` of a file, or why it cannot carry an edit."""
+    try:
+        found = spans(text)
+    except SyntaxError as e:
+        where = f"line {e.lineno}" if e.lineno else "file"
+        raise PatchRefused(path, where, f"does not parse: {e.msg}") from None
+    if not found:
+        raise PatchRefused(path, "file", "holds no statement (empty or comments only)")
+    return found
+
+
+def read(root: Path, path: str, new: bool = False) -> str:
+    """A file's text; "" for a file the change adds that the tree lacks."""
     file = root / path
+    if new and not file.exists():
+        if not file.parent.is_dir():
+            raise PatchRefused(path, "folder", "missing in this tree")
+        return ""
     if not file.is_file():
         raise PatchRefused(path, "file", "missing in this tree")
     try:
@@ -71,56 +140,88 @@ def read(root: Path, path: str) -> str:
         raise PatchRefused(path, "file", f"cannot be read: {e.strerror}") from None
 
 
-def check_version(root: Path) -> None:
+def sdist_version(root: Path) -> str | None:
     """An sdist's PKG-INFO names its version; a git checkout has none to read."""
     info = root / "PKG-INFO"
     if not info.is_file():
-        return
+        return None
     lines = info.read_text(encoding="utf-8", errors="replace").splitlines()
-    version = next((x.split(":", 1)[1].strip() for x in lines if x.startswith("Version:")), None)
-    if version != VERSION:
-        raise PatchRefused("PKG-INFO", "Version", f"is {version}, the change is for {VERSION}")
+    return next((x.split(":", 1)[1].strip() for x in lines if x.startswith("Version:")), "")
 
 
-def patched(path: str, text: str) -> str:
-    """`text` with the change's edits, each statement checked against 0.33.0's."""
-    try:
-        found = spans(text)
-    except SyntaxError as e:
-        where = f"line {e.lineno}" if e.lineno else "file"
-        raise PatchRefused(path, where, f"does not parse: {e.msg}") from None
+def digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def fitting(root: Path, change: Change) -> int:
+    """How many of the statements `change` edits are in `root` as in its release, or as
+    it leaves them."""
+    count = 0
+    for path, statements in change.files.items():
+        try:
+            lines = read(root, path).splitlines(keepends=True)
+            found = spans("".join(lines))
+        except (PatchRefused, SyntaxError):
+            continue
+        for name, (original, changed, _) in statements.items():
+            for first, last in found.get(name, []):
+                count += digest("".join(lines[first:last])) in (original, changed)
+    return count
+
+
+def release(root: Path) -> Change:
+    """The change for the sdist's version; for a git checkout, the one its statements fit."""
+    version = sdist_version(root)
+    if version is not None and version not in RELEASES:
+        known = " or ".join(RELEASES)
+        raise PatchRefused("PKG-INFO", "Version", f"is {version}, the change is for {known}")
+    candidates = [RELEASES[version]] if version in RELEASES else list(RELEASES.values())
+    return max(reversed(candidates), key=lambda change: fitting(root, change))
+
+
+def patched(path: str, text: str, change: Change) -> str:
+    """`text` with the change's edits, each statement checked against its release's."""
+    statements = change.files[path]
+    added = NEW_FILE in statements
+    found = {NEW_FILE: [(0, len(text.splitlines()))]} if added else parse(path, text)
     lines = text.splitlines(keepends=True)
     edits, differ = [], []
-    for name, (original, changed, statement_edits) in CHANGE[path].items():
+    for name, (original, changed, statement_edits) in statements.items():
         where = found.get(name, [])
         if len(where) != 1:
             raise PatchRefused(path, name, f"found {len(where)} times, expected once")
         first, last = where[0]
-        digest = hashlib.sha256("".join(lines[first:last]).encode()).hexdigest()
-        if digest == changed != original:
-            raise PatchRefused(path, name, "already changed: the tree carries the fix")
-        if digest != original:
-            differ.append(name)
+        now = digest("".join(lines[first:last]))
+        if now == changed != original:
+            raise PatchRefused(path, name or "file", "already changed: the tree carries the fix")
+        if now != original:
+            differ.append(name or "file")
         edits += [
             (first + int(start), first + int(end), new)
             for start, end, new in EDIT.findall(statement_edits)
         ]
     if differ:
-        raise PatchRefused(path, differ[0], f"differs from vLLM {VERSION}'s")
+        raise PatchRefused(path, differ[0], f"differs from vLLM {change.version}'s")
     for start, end, new in sorted(edits, reverse=True):
         lines[start:end] = [new]
+    # A function or class the change adds beside a statement leaves that statement as is.
+    before, after = defined(text), defined("".join(lines))
+    twice = next((name for name in after if after[name] > before[name] > 0), None)
+    if twice is not None:
+        raise PatchRefused(path, twice, "already changed: the tree carries the fix")
     return "".join(lines)
 
 
 def plan(root: Path) -> dict[str, tuple[str, str]]:
-    """Each file the change touches under `root`: (its text, the patched text)."""
+    """Each file the change touches under `root`: (its text, "" for a file it adds; the
+    patched text)."""
     if not (root / "vllm").is_dir():
         raise PatchRefused(str(root), "vllm/", "no vLLM source tree here (give its root)")
-    check_version(root)
+    change = release(root)
     changes = {}
-    for path in CHANGE:
-        text = read(root, path)
-        changes[path] = (text, patched(path, text))
+    for path, statements in change.files.items():
+        text = read(root, path, new=NEW_FILE in statements)
+        changes[path] = (text, patched(path, text, change))
     return changes
 
 
@@ -128,8 +229,13 @@ def unified_diff(changes: dict[str, tuple[str, str]]) -> Iterator[str]:
     """`git diff`-style text of `changes`."""
     for path, (old, new) in changes.items():
         yield f"diff --git a/{path} b/{path}\n"
+        if not old:
+            yield "new file mode 100644\n"
         yield from difflib.unified_diff(
-            old.splitlines(keepends=True), new.splitlines(keepends=True), f"a/{path}", f"b/{path}"
+            old.splitlines(keepends=True),
+            new.splitlines(keepends=True),
+            f"a/{path}" if old else "/dev/null",
+            f"b/{path}",
         )
 
 
@@ -142,7 +248,10 @@ def write(root: Path, changes: dict[str, tuple[str, str]]) -> None:
             fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
             with os.fdopen(fd, "w") as f:
                 f.write(new)
-            shutil.copymode(target, tmp)
+            if target.exists():
+                shutil.copymode(target, tmp)
+            else:
+                os.chmod(tmp, 0o644)
             staged.append((tmp, target))
     except BaseException:
         for tmp, _ in staged:

@@ -1,9 +1,7 @@
-"""The in-tree change, as data: per vLLM file, each top-level statement it edits
-(named as `statement_name` names it), the sha256 of its text in vLLM 0.33.0 and
-in a tree that carries the change (which tells a second run apart), and its
-edits, each an `@@ first last` line and the lines that replace lines [first, last) of the
-statement."""
+"""vLLM 0.33.0's in-tree change, as data (`vllm_dsa_dbo.upstream` reads it), written
+by `python -m vllm_dsa_dbo.upstream.regenerate` from a patched tree: regenerate, do not edit."""
 
+VERSION = "0.33.0"
 CHANGE = {
     "vllm/v1/attention/backends/mla/index_group.py": {
         "from dataclasses import": (
