@@ -7,6 +7,10 @@
 #   stock                     DBO on, VLLM_DSA_DBO_DISABLE=stock (vLLM as shipped)
 #   fix                       DBO on, the plugin
 #   stock_check fix_check     the same with VLLM_DSA_DBO_CHECK=audit, for the checker's counts
+#   half_fix                  DBO on, the test-only half fix (VLLM_DSA_DBO_HARNESS_HALF_FIX=1:
+#                             converted top-k per microbatch, logical buffer shared)
+#   mtp_off mtp_stock mtp_fix DBO off / stock / the fix, with MTP speculative decoding (one
+#                             draft token) from the untrained MTP layer `trained mtp` adds
 #   f1_off f1_stock           the same weights at index_topk_freq=1 (`trained control`)
 #   tree_off tree_fix         DBO off and on in the vLLM tree SERVE_TABLE_TREE names, with only
 #                             the harness loaded: validation/upstream_tests.sh leaves the tree
@@ -27,7 +31,12 @@
 # SERVE_TABLE_LANE=1 moves an arm's ports so that a second script can run beside the first on the
 # same GPU, both with SERVE_TABLE_GPU_UTIL=0.2 (default 0.3). Four lanes at 0.1 left vLLM no KV
 # cache memory (results/2026-12-02-checker-trees).
-# OUTDIR.tgz holds summary.md, each process's log and each arm's lm_eval output; it is rewritten
+# SERVE_TABLE_KV_BYTES sets each engine's KV cache (--kv-cache-memory-bytes) instead of what
+# vLLM's profile leaves of SERVE_TABLE_GPU_UTIL: two ranks profiling on one GPU each count the
+# other's memory, so without it the second rank got 0.75 GiB of 42 on an H200 at 0.3.
+# OUTDIR.tgz holds summary.md, each process's log, each arm's lm_eval output, /metrics after
+# lm_eval (ARM.metrics.txt) and ARM.json (vLLM version, runner, microbatched forwards and
+# checker counts per worker, speculative decoding's acceptance); it is rewritten
 # after every arm, and an arm that would start after SERVE_TABLE_BUDGET_S seconds (if set) is
 # skipped, so a call cut at its limit still brings back the arms it finished. An arm that does not
 # start (or an unknown one) stops the script with exit status 1. Afterwards,
@@ -67,18 +76,23 @@ exec > >(tee "$out/summary.md") 2>&1
 
 models=/tmp/dsa-dbo-serve/$mode
 mkdir -p "$models"
-freq4=$models/freq4 freq1=$models/freq1
+freq4=$models/freq4 freq1=$models/freq1 mtp=$models/mtp
 [ -d "$freq4" ] || PYTHONPATH=$site python3 -m dsa_dbo_harness.trained widen \
   validation/kv_lookup/model "$freq4" || exit 1
 case " $* " in *" f1_"*)
   [ -d "$freq1" ] || PYTHONPATH=$site python3 -m dsa_dbo_harness.trained control \
     "$freq4" "$freq1" || exit 1 ;;
 esac
+case " $* " in *" mtp_"*)
+  [ -d "$mtp" ] || PYTHONPATH=$site python3 -m dsa_dbo_harness.trained mtp "$freq4" "$mtp" || exit 1 ;;
+esac
 flock -u 9
 common=(--data-parallel-size 2 --data-parallel-size-local 1 --data-parallel-address 127.0.0.1
   --data-parallel-rpc-port $((13345 + 100 * lane)) --enable-expert-parallel --all2all-backend "$backend"
   --attention-backend FLASHMLA_SPARSE --block-size 64 --max-model-len 1024 --max-num-seqs 64
-  --max-num-batched-tokens 4096 --seed 0 --gpu-memory-utilization ${SERVE_TABLE_GPU_UTIL:-0.3} "${flags[@]}")
+  --max-num-batched-tokens 4096 --seed 0 --gpu-memory-utilization ${SERVE_TABLE_GPU_UTIL:-0.3} "${flags[@]}"
+  ${SERVE_TABLE_KV_BYTES:+--kv-cache-memory-bytes "$SERVE_TABLE_KV_BYTES"})
+spec=(--speculative-config '{"method": "mtp", "num_speculative_tokens": 1}')
 dbo=(--enable-dbo --dbo-decode-token-threshold 4 --dbo-prefill-token-threshold 64)
 port=$((8101 + lane))
 pids=()
@@ -108,11 +122,15 @@ healthy() {  # ARM: /health within 300 s, or why not
 }
 
 arm() {  # ARM: serve, evaluate, stop
-  local name=$1 model=$freq4 disable="" check="" extra=() path=$site plugins=()
+  local name=$1 model=$freq4 disable="" check="" half="" extra=() path=$site plugins=()
   case "$name" in
     off_a|off_b) ;;
     stock) disable=stock extra=("${dbo[@]}") ;;
     fix) extra=("${dbo[@]}") ;;
+    half_fix) half=1 extra=("${dbo[@]}") ;;
+    mtp_off) model=$mtp extra=("${spec[@]}") ;;
+    mtp_stock) model=$mtp disable=stock extra=("${spec[@]}" "${dbo[@]}") ;;
+    mtp_fix) model=$mtp extra=("${spec[@]}" "${dbo[@]}") ;;
     stock_check) disable=stock check=audit extra=("${dbo[@]}") ;;
     fix_check) check=audit extra=("${dbo[@]}") ;;
     f1_off) model=$freq1 ;;
@@ -126,6 +144,7 @@ arm() {  # ARM: serve, evaluate, stop
   echo "## $name"
   echo "$name: vLLM from $(PYTHONPATH=$path python3 -c 'import importlib.util as u; print(u.find_spec("vllm").origin)')"
   local t0=$SECONDS run=(setsid env PYTHONPATH="$path" "${plugins[@]}" VLLM_DSA_DBO_DISABLE="$disable" VLLM_DSA_DBO_CHECK="$check"
+    VLLM_DSA_DBO_HARNESS_HALF_FIX="$half"
     python3 -m vllm.entrypoints.cli.main serve "$model" "${common[@]}" "${extra[@]}")
   "${run[@]}" --port $port --host 127.0.0.1 --api-server-count 1 --disable-uvicorn-access-log > "$out/$name.rank0.log" 2>&1 &
   pids+=($!)
@@ -139,12 +158,16 @@ arm() {  # ARM: serve, evaluate, stop
     --output_path "$out/$name" --seed 0 > "$out/$name/lm_eval.log" 2>&1
   echo "$name: lm_eval rc=$? after $((SECONDS - t0)) s"
   grep -E "strict-match|flexible" "$out/$name/lm_eval.log" | head -2
+  python3 -c 'import sys, urllib.request as u; sys.stdout.write(u.build_opener(u.ProxyHandler({})).open(sys.argv[1], timeout=10).read().decode())' \
+    "http://127.0.0.1:$port/metrics" > "$out/$name.metrics.txt" 2>&1
   stop
   for rank in 0 1; do
     echo "$name rank $rank: $(grep -c 'keeps shared top-k per DBO microbatch' "$out/$name.rank$rank.log") plugin lines;" \
       "$(grep -h 'dsa_dbo_harness: ' "$out/$name.rank$rank.log" | tail -n 1 | sed 's/.*dsa_dbo_harness: //')"
     grep -hE 'Traceback|Error' "$out/$name.rank$rank.log" | tail -n 3
   done
+  PYTHONPATH=$site python3 -m dsa_dbo_harness.serve_report --record "$out" "$name" "$mode" \
+    > "$out/$name.json" && cut -c1-400 "$out/$name.json"
   return 0
 }
 

@@ -3,8 +3,11 @@ served by `validation/serve_table.sh` under DBO on DeepEP, scored by lm_eval. DB
 is the floor; the fix stays within it, and stock DBO loses answers.
 
     bash validation/serve_table.sh /tmp/t/ht ht off_a off_b stock fix stock_check fix_check \
-      f1_off f1_stock
+      f1_off f1_stock half_fix mtp_off mtp_stock mtp_fix
     DSA_DBO_TABLE=/tmp/t/ht.tgz pytest validation/test_dbo_equivalence.py
+
+Since vLLM 0.34.0 (issue 52) the table also holds the test-only half fix, which it must show to
+be wrong, and MTP speculative decoding, which must keep DBO off's answers with the fix.
 
 The serving is the GPU part (about 2-3 minutes an arm on one H200); these tests read what it
 wrote (OUTDIR.tgz or the folder it unpacks to; several, separated by `:`, when the arms ran in
@@ -28,6 +31,7 @@ from dsa_dbo_harness.serve_report import (
     harness_counts,
     merge,
     reference_of,
+    runners,
 )
 from dsa_dbo_harness.trained import ANSWER
 from vllm_dsa_dbo.ab import Comparison, compare, load_runs
@@ -91,9 +95,21 @@ def test_dbo_off_twice_is_the_floor(table):
     assert_within_floor(table, "off_b")
 
 
-@pytest.mark.parametrize("name", ["stock", "fix", "tree_fix"])
+DBO_ARMS = ["stock", "fix", "tree_fix", "half_fix", "mtp_stock", "mtp_fix"]
+
+
+@pytest.mark.parametrize("name", DBO_ARMS)
 def test_dbo_arms_microbatch(table, name):
     assert all(forwards >= MIN_MICROBATCHED for forwards, *_ in counts(table, name))
+
+
+@pytest.mark.parametrize("name", DBO_ARMS)
+def test_dbo_workers_name_their_runner_and_release(table, name):
+    """Each worker says which runner and vLLM it ran (logs from before 0.34.0's port do not)."""
+    named = runners(table, arm(table, name))
+    if not named:
+        pytest.skip(f"{name}: its logs predate the runner line")
+    assert len(named) == 2 and len(set(named)) == 1, named
 
 
 def test_the_fix_stays_within_the_floor(table):
@@ -122,3 +138,22 @@ def test_the_checker_sees_bad_reads_only_without_the_fix(table):
     stock, fix = counts(table, "stock_check"), counts(table, "fix_check")
     assert all(reads and bad == 0 for *_, reads, bad in fix), fix
     assert all(reads and bad for *_, reads, bad in stock), stock
+
+
+def test_the_half_fix_falls_below_the_floor(table):
+    """Only the converted top-k per microbatch: prefill steps that DBO splits convert the other
+    microbatch's logical top-k, and the table must see it."""
+    expected = answers(table, arm(table, "off_a"))
+    same = agreeing(answers(table, arm(table, "half_fix")), expected)
+    assert same < FLOOR * len(expected), f"half_fix: {same} of {len(expected)} as off_a"
+    _, row = against_off(table, "half_fix")
+    assert row.lost > row.gained and row.mcnemar_p < 0.05, row
+
+
+@pytest.mark.parametrize("name", ["mtp_off", "mtp_fix"])
+def test_mtp_keeps_dbo_offs_answers(table, name):
+    """Greedy speculative decoding keeps the model's tokens: with MTP, DBO off and the fix stay
+    within the floor of DBO off without it."""
+    assert_within_floor(table, name)
+    _, row = against_off(table, name)
+    assert row.mcnemar_p >= 0.05, row

@@ -1,6 +1,6 @@
 """Harness-only vLLM plugin: real DBO on CUDA GPUs, with DeepEP or without.
 
-vLLM 0.33.0 microbatches only with data parallelism and an all2all backend
+vLLM 0.33.0 and 0.34.0 microbatch only with data parallelism and an all2all backend
 that yields. With DeepEP (`deepep_high_throughput`, `deepep_low_latency`, on
 vLLM's own DBO allow-list) nothing needs lifting: run with
 `VLLM_DSA_DBO_HARNESS_GATES=0` and vLLM runs unmodified. Without DeepEP the
@@ -10,9 +10,11 @@ gates keep it off, and by default this plugin lifts them in every vLLM process
 (recorded in `GATES`). In every case, with `VLLM_DSA_DBO_HARNESS=1`, it
 re-initialises `--load-format dummy` weights so outputs depend on attention,
 and counts microbatched steps in each worker (logged, for `vllm serve`, and
-read back through `collective_rpc`). With `VLLM_DSA_DBO_HARNESS_MEASURE=1` it
-also times microbatched forwards and profiles one. It is never installed with
-the product.
+read back through `collective_rpc`), through V1's `UBatchWrapper` (0.33.0) or
+Model Runner V2's `UBatchRunner` (0.34.0's only DBO path). With
+`VLLM_DSA_DBO_HARNESS_MEASURE=1` it also times microbatched forwards and profiles
+one; with `VLLM_DSA_DBO_HARNESS_HALF_FIX=1` it turns the fix into the test-only
+half fix (`half_fix.py`). It is never installed with the product.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import warnings
 from collections import Counter
 from contextlib import contextmanager
 from types import CodeType
+
+from dsa_dbo_harness import half_fix
 
 ENABLE_ENV = "VLLM_DSA_DBO_HARNESS"
 # "0": lift no vLLM check and inject no yield (DeepEP runs).
@@ -49,6 +53,10 @@ COUNTS: Counter[str] = Counter()
 MEASURED: dict = {"from_call": None, "seconds": [], "profile": None, "fix_frames": None}
 # What this process changed in vLLM's own checks and yields.
 GATES: list[str] = []
+# What this process changed in the product (the test-only half fix).
+VARIANTS: list[str] = []
+V1_RUNNER = "V1 runner"
+V2_RUNNER = "Model Runner V2"
 
 
 def register() -> None:
@@ -68,6 +76,9 @@ def register() -> None:
                 "naive_dp_ep.yield_at_graph_capture",
             ]
         )
+    if os.environ.get(half_fix.ENV) == "1":
+        half_fix.install()
+        VARIANTS.append(half_fix.GATE)
     _stream_capture_check_for_older_torch()
     _reinit_dummy_weights()
     _count_microbatched_steps()
@@ -380,7 +391,16 @@ def _all_threads_config():
         return None
 
 
+def runner_name(model_runner: object) -> str:
+    """Which vLLM GPU model runner a worker runs (vLLM 0.34.0 has only V2)."""
+    module = type(model_runner).__module__
+    return V2_RUNNER if module.startswith("vllm.v1.worker.gpu.") else V1_RUNNER
+
+
 def _count_microbatched_steps() -> None:
+    """Count, per worker, forwards and those run as microbatches, whichever runner runs them:
+    V1's `UBatchWrapper` (vLLM 0.33.0) or Model Runner V2's `UBatchRunner` (0.33.0 with
+    VLLM_USE_V2_MODEL_RUNNER=1, and 0.34.0's only DBO path)."""
     from vllm.v1.worker import ubatching
 
     stock_enter = ubatching.UBatchContext.__enter__
@@ -390,10 +410,74 @@ def _count_microbatched_steps() -> None:
         return stock_enter(self)
 
     ubatching.UBatchContext.__enter__ = __enter__
+    try:
+        from vllm.v1.worker import gpu_ubatch_wrapper
+    except ImportError:  # vLLM 0.34.0 removed the V1 runner
+        gpu_ubatch_wrapper = None
+    if gpu_ubatch_wrapper is not None:
+        _count_v1_wrapper(gpu_ubatch_wrapper.UBatchWrapper)
+        from vllm.v1.worker import gpu_model_runner
 
-    from vllm.v1.worker import gpu_ubatch_wrapper
+        _name_runner(gpu_model_runner.GPUModelRunner, V1_RUNNER)
+    _count_v2_runner()
 
-    wrapper = gpu_ubatch_wrapper.UBatchWrapper
+
+def _name_runner(runner_cls: type, runner: str) -> None:
+    """Log which runner and release a worker runs once it builds its model runner: a DBO-off
+    run logs no microbatched forward to say it."""
+    stock_init = runner_cls.__init__
+
+    def __init__(self, *args, **kwargs):
+        stock_init(self, *args, **kwargs)
+        from vllm.logger import init_logger
+
+        init_logger("vllm.dsa_dbo_harness").info(
+            "dsa_dbo_harness: worker on %s, vLLM %s", runner, _vllm_version()
+        )
+
+    runner_cls.__init__ = __init__
+
+
+def _microbatched(runner: str, call):
+    """One microbatched forward: counted, logged every LOG_EVERY_ENV-th, measured if asked."""
+    from vllm.logger import init_logger
+
+    from vllm_dsa_dbo.diagnostics import isolation
+
+    COUNTS["ubatched_calls"] += 1
+    calls = COUNTS["ubatched_calls"]
+    if calls == 1 or calls % int(os.environ.get(LOG_EVERY_ENV, "50")) == 0:
+        checker = isolation.CHECKER
+        checked = (
+            ""
+            if checker is None
+            else f"; checker {checker.checked_reads} reads, {sum(checker.violations.values())} bad"
+        )
+        gates = f"; harness gates: {', '.join(GATES)}" if GATES else ""
+        variants = f"; variant: {', '.join(VARIANTS)}" if VARIANTS else ""
+        init_logger("vllm.dsa_dbo_harness").info(
+            "dsa_dbo_harness: %d microbatched forwards of %d%s; %s, vLLM %s%s%s",
+            calls,
+            COUNTS["calls"],
+            checked,
+            runner,
+            _vllm_version(),
+            gates,
+            variants,
+        )
+    if os.environ.get(MEASURE_ENV) == "1" and MEASURED["from_call"] is not None:
+        return _measured(call)
+    return call()
+
+
+def _vllm_version() -> str:
+    import vllm
+
+    return vllm.__version__
+
+
+def _count_v1_wrapper(wrapper: type) -> None:
+    """V1: `UBatchWrapper.__call__` runs every forward; microbatched when it has slices."""
     for name, key in (("_run_ubatches", "eager_steps"), ("_capture_ubatches", "graph_captures")):
         stock = getattr(wrapper, name)
 
@@ -405,40 +489,56 @@ def _count_microbatched_steps() -> None:
 
     stock_call = wrapper.__call__
 
-    from vllm.logger import init_logger
-
-    from vllm_dsa_dbo.diagnostics import isolation
-
-    logger = init_logger("vllm.dsa_dbo_harness")
-    measure = os.environ.get(MEASURE_ENV) == "1"
-    log_every = int(os.environ.get(LOG_EVERY_ENV, "50"))
-
     def __call__(self, *args, **kwargs):
         from vllm.forward_context import get_forward_context
 
         COUNTS["calls"] += 1
         if get_forward_context().ubatch_slices is None:
             return stock_call(self, *args, **kwargs)
-        COUNTS["ubatched_calls"] += 1
-        calls = COUNTS["ubatched_calls"]
-        if calls == 1 or calls % log_every == 0:
-            checker = isolation.CHECKER
-            checked = (
-                ""
-                if checker is None
-                else f"; checker {checker.checked_reads} reads, "
-                f"{sum(checker.violations.values())} bad"
-            )
-            gates = f"; harness gates: {', '.join(GATES)}" if GATES else ""
-            logger.info(
-                "dsa_dbo_harness: %d microbatched forwards of %d%s%s",
-                calls,
-                COUNTS["calls"],
-                checked,
-                gates,
-            )
-        if measure and MEASURED["from_call"] is not None:
-            return _measured(lambda: stock_call(self, *args, **kwargs))
-        return stock_call(self, *args, **kwargs)
+        return _microbatched(V1_RUNNER, lambda: stock_call(self, *args, **kwargs))
 
     wrapper.__call__ = __call__
+
+
+def _count_v2_runner() -> None:
+    """Model Runner V2: `execute_model` runs every forward (dummy ones too); `UBatchRunner.run`
+    an eager microbatched one, a FULL graph replay of a microbatched descriptor a captured
+    one; `begin_capturable_run(for_capture=True)` a capture."""
+    from vllm.v1.worker.gpu import cudagraph_utils, model_runner, ubatch_utils
+
+    runner_cls = model_runner.GPUModelRunner
+    _name_runner(runner_cls, V2_RUNNER)
+    stock_execute = runner_cls.execute_model
+
+    def execute_model(self, *args, **kwargs):
+        COUNTS["calls"] += 1
+        return stock_execute(self, *args, **kwargs)
+
+    runner_cls.execute_model = execute_model
+
+    ubatch_runner = ubatch_utils.UBatchRunner
+    stock_run = ubatch_runner.run
+    stock_begin = ubatch_runner.begin_capturable_run
+
+    def run(self, *args, **kwargs):
+        COUNTS["eager_steps"] += 1
+        return _microbatched(V2_RUNNER, lambda: stock_run(self, *args, **kwargs))
+
+    def begin_capturable_run(self, *args, for_capture: bool = False, **kwargs):
+        if for_capture:
+            COUNTS["graph_captures"] += 1
+        return stock_begin(self, *args, for_capture=for_capture, **kwargs)
+
+    ubatch_runner.run = run
+    ubatch_runner.begin_capturable_run = begin_capturable_run
+
+    manager = cudagraph_utils.CudaGraphManager
+    stock_replay = manager.run_fullgraph
+
+    def run_fullgraph(self, desc, *args, **kwargs):
+        if getattr(desc, "num_ubatches", 1) <= 1:
+            return stock_replay(self, desc, *args, **kwargs)
+        COUNTS["graph_replays"] += 1
+        return _microbatched(V2_RUNNER, lambda: stock_replay(self, desc, *args, **kwargs))
+
+    manager.run_fullgraph = run_fullgraph

@@ -221,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         "mode_env": MODES[args.mode][1],
         "gpu_count": args.gpu_count,
         "harness_gates": sorted({gate for w in workers for gate in w["harness_gates"]}),
+        "runners": sorted({w["runner"] for w in workers}),
         "attention_backends": sorted({b for w in workers for b in w["attention_backends"]}),
         "env": {k: os.environ[k] for k in RECORDED_ENV if k in os.environ},
         "rank0_env": rank_env(0, args, port),

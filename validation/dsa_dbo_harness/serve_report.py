@@ -2,9 +2,11 @@
 worker's harness counts; and issue 28's table from them.
 
     python -m dsa_dbo_harness.serve_report OUTDIR.tgz[:OUTDIR2.tgz ...]
+    python -m dsa_dbo_harness.serve_report --record OUTDIR ARM MODE   # ARM.json, by serve_table.sh
 
 Each arm is compared with its DBO-off run: `off_a`, or for the `index_topk_freq=1` arms `f1_off`
 where the table has it (else `off_a`: the control's logits equal the model's, a CPU test checks).
+The MTP arms are compared with `off_a` too: greedy speculative decoding keeps the model's tokens.
 """
 
 from __future__ import annotations
@@ -32,11 +34,23 @@ ARMS = (
     "f1_stock",
     "tree_off",
     "tree_fix",
+    "half_fix",
+    "mtp_off",
+    "mtp_stock",
+    "mtp_fix",
 )
 HARNESS_LINE = re.compile(
     r"dsa_dbo_harness: (\d+) microbatched forwards(?: of (\d+))?"
     r"(?:; checker (\d+) reads, (\d+) bad)?"
 )
+# What the same line names since vLLM 0.34.0's harness port: the runner and the release.
+RUNNER_LINE = re.compile(r"dsa_dbo_harness: .*?; (V1 runner|Model Runner V2), vLLM (\S+?)[;\s]")
+WORKER_LINE = re.compile(r"dsa_dbo_harness: worker on (V1 runner|Model Runner V2), vLLM (\S+)")
+SPEC_COUNTERS = {
+    "drafts": "vllm:spec_decode_num_drafts_total",
+    "draft_tokens": "vllm:spec_decode_num_draft_tokens_total",
+    "accepted_tokens": "vllm:spec_decode_num_accepted_tokens_total",
+}
 
 
 def merge(outputs: str, into: Path) -> Path:
@@ -79,12 +93,59 @@ def harness_counts(table: Path, name: str) -> list[tuple[int, int | None, int | 
     return counts
 
 
+def runners(table: Path, name: str) -> list[tuple[str, str]]:
+    """Per rank, the (runner, vLLM version) its worker named, where it did."""
+    found = []
+    for log in (table / f"{name}.rank{rank}.log" for rank in (0, 1)):
+        text = log.read_text() if log.is_file() else ""
+        named = WORKER_LINE.findall(text) or RUNNER_LINE.findall(text)
+        if named:
+            found.append(named[-1])
+    return found
+
+
+def spec_decode(table: Path, name: str) -> dict[str, float] | None:
+    """Speculative decoding's counters from the arm's /metrics (both engines), None without."""
+    metrics = table / f"{name}.metrics.txt"
+    if not metrics.is_file():
+        return None
+    totals = dict.fromkeys(SPEC_COUNTERS, 0.0)
+    seen = False
+    for line in metrics.read_text().splitlines():
+        for key, counter in SPEC_COUNTERS.items():
+            if line.startswith(counter + "{") or line.startswith(counter + " "):
+                totals[key] += float(line.rsplit(" ", 1)[1])
+                seen = True
+    if not seen:
+        return None
+    drafted = totals["draft_tokens"]
+    return {**totals, "acceptance": totals["accepted_tokens"] / drafted if drafted else None}
+
+
+def record(table: Path, name: str, mode: str) -> dict:
+    """What serve_table.sh keeps of one arm as ARM.json."""
+    workers = [
+        dict(zip(("microbatched_forwards", "forwards", "checked_reads", "bad_reads"), counts))
+        for counts in harness_counts(table, name)
+    ]
+    named = runners(table, name)
+    return {
+        "arm": name,
+        "mode": mode,
+        "vllm_version": sorted({version for _, version in named}) or None,
+        "runner": sorted({runner for runner, _ in named}) or None,
+        "workers": workers,
+        "spec_decode": spec_decode(table, name),
+    }
+
+
 def report(table: Path) -> str:
     lines = [
         "| arm | accuracy ± stderr | answers equal to DBO off | against | lost / gained "
         "| McNemar p "
-        "| microbatched forwards per worker | checker: bad of checked reads per worker |",
-        "|---|---|---|---|---|---|---|---|",
+        "| microbatched forwards per worker | checker: bad of checked reads per worker "
+        "| runner, vLLM | draft acceptance |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name in (a for a in ARMS if (table / a).is_dir()):
         reference = reference_of(table, name)
@@ -104,14 +165,25 @@ def report(table: Path) -> str:
         counts = harness_counts(table, name)
         forwards = ", ".join(f"{m} of {n}" for m, n, _, _ in counts) or "-"
         checked = ", ".join(f"{b} of {r}" for _, _, r, b in counts if r is not None) or "-"
+        named = ", ".join(sorted({f"{r}, {v}" for r, v in runners(table, name)})) or "-"
+        spec = spec_decode(table, name)
+        accepted = (
+            "-"
+            if spec is None or spec["acceptance"] is None
+            else f"{spec['acceptance']:.3f} ({spec['accepted_tokens']:.0f} of "
+            f"{spec['draft_tokens']:.0f})"
+        )
         lines.append(
             f"| {name} | {row.accuracy:.3f} ± {row.stderr:.3f} | {agree} | {against} | {lost} "
-            f"| {p} | {forwards} | {checked} |"
+            f"| {p} | {forwards} | {checked} | {named} | {accepted} |"
         )
     return "\n".join(lines)
 
 
 def main(argv: list[str]) -> int:
+    if len(argv) == 4 and argv[0] == "--record":
+        print(json.dumps(record(Path(argv[1]), argv[2], argv[3])))
+        return 0
     if len(argv) != 1:
         print(__doc__, file=sys.stderr)
         return 2

@@ -3,6 +3,7 @@
     python -m dsa_dbo_harness.trained train validation/kv_lookup/model   # on a GPU
     python -m dsa_dbo_harness.trained widen validation/kv_lookup/model /tmp/wide
     python -m dsa_dbo_harness.trained control validation/kv_lookup/model /tmp/freq1
+    python -m dsa_dbo_harness.trained mtp /tmp/wide /tmp/wide-mtp
     python -m dsa_dbo_harness.trained answer MODEL OUT.jsonl [--limit N]
 
 `train` fits transformers' own `GlmMoeDsaForCausalLM` to the lookup task
@@ -25,6 +26,16 @@ the same mean square.
 own indexer (the former followers' are new and untrained, which changes nothing
 while the indexer selects every token), so no top-k is shared and DBO has
 nothing to get wrong.
+
+`mtp` adds one untrained multi-token-prediction layer, where vLLM's GLM-5 MTP path
+(`DeepseekV32MTP`, `--speculative-config '{"method": "mtp", ...}'`) loads it:
+`num_nextn_predict_layers: 1` in config.json and `model.layers.<num_hidden_layers>.*` in
+`mtp.safetensors` beside the model's own file (transformers reads only `model.safetensors`;
+vLLM's main model skips those names, its drafter reads only them). Its decoder block has the
+shapes of the model's last leader with experts (an indexer, as every MTP layer builds one),
+seeded random; its head is the model's final norm and `lm_head`, its embedding the model's.
+Greedy speculative decoding keeps the target model's tokens whatever the draft proposes, so
+answers must not change; an untrained draft is mostly rejected.
 """
 
 from __future__ import annotations
@@ -244,6 +255,62 @@ def control(src: Path, dst: Path) -> None:
     copy_tokenizer(src, dst)
 
 
+MTP_FILE = "mtp.safetensors"
+MTP_SEED = 0
+MTP_STD = 0.02  # the checkpoint's initializer_range
+
+
+def mtp_template_layer(config: dict) -> int:
+    """The last leader with experts: the decoder block an MTP layer mirrors."""
+    kinds = zip(config["indexer_types"], config["mlp_layer_types"])
+    return max(i for i, (index, mlp) in enumerate(kinds) if index == "full" and mlp == "sparse")
+
+
+def _untrained(name: str, like, generator):
+    """A seeded stand-in for a trained tensor: norms 1, biases 0, matrices N(0, MTP_STD)."""
+    import torch
+
+    if name.endswith("norm.weight"):
+        return torch.ones_like(like)
+    if like.dim() < 2:
+        return torch.zeros_like(like)
+    noise = torch.randn(like.shape, generator=generator, dtype=torch.float32) * MTP_STD
+    return noise.to(like.dtype)
+
+
+def add_mtp(src: Path, dst: Path) -> None:
+    """`src` with one untrained MTP layer, as vLLM's GLM-5 MTP path (0.33.0, 0.34.0) loads it."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((src / "config.json").read_text())
+    layer, template = config["num_hidden_layers"], mtp_template_layer(config)
+    weights = load_file(src / "model.safetensors")
+    generator = torch.Generator().manual_seed(MTP_SEED)
+    hidden = config["hidden_size"]
+    dtype = weights["lm_head.weight"].dtype
+    mtp = {
+        f"model.layers.{layer}.{name.split('.', 3)[3]}": _untrained(name, value, generator)
+        for name, value in sorted(weights.items())
+        if name.startswith(f"model.layers.{template}.")
+    }
+    eh_proj = torch.randn(hidden, 2 * hidden, generator=generator) * MTP_STD
+    own = {
+        "enorm.weight": torch.ones(hidden, dtype=dtype),
+        "hnorm.weight": torch.ones(hidden, dtype=dtype),
+        "eh_proj.weight": eh_proj.to(dtype),
+        "shared_head.norm.weight": weights["model.norm.weight"],
+        "shared_head.head.weight": weights["lm_head.weight"],
+        "embed_tokens.weight": weights["model.embed_tokens.weight"],
+    }
+    mtp |= {f"model.layers.{layer}.{name}": value.clone() for name, value in own.items()}
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    save_file(mtp, dst / MTP_FILE, metadata={"format": "pt"})
+    (dst / "config.json").write_text(
+        json.dumps({**config, "num_nextn_predict_layers": 1}, indent=2)
+    )
+
+
 def answer(model_dir: Path, questions: list[dict], batch_size: int = 100) -> list[str]:
     """Greedy completions of the task's prompts by transformers."""
     import torch
@@ -293,6 +360,9 @@ def main() -> None:
     p = verbs.add_parser("control")
     p.add_argument("src", type=Path)
     p.add_argument("dst", type=Path)
+    p = verbs.add_parser("mtp")
+    p.add_argument("src", type=Path)
+    p.add_argument("dst", type=Path)
     p = verbs.add_parser("answer")
     p.add_argument("model", type=Path)
     p.add_argument("out", type=Path)
@@ -304,6 +374,8 @@ def main() -> None:
         widen(args.src, args.dst)
     elif args.verb == "control":
         control(args.src, args.dst)
+    elif args.verb == "mtp":
+        add_mtp(args.src, args.dst)
     else:
         questions = held_out()[: args.limit]
         completions = answer(args.model, questions)

@@ -6,6 +6,7 @@ import sys
 
 
 def snapshot(worker) -> dict:
+    import vllm
     from vllm.v1.attention.backends.mla import index_group
 
     import dsa_dbo_harness
@@ -21,8 +22,11 @@ def snapshot(worker) -> dict:
     patched = "index_group" in patches.applied(index_group)
     checker = isolation.CHECKER
     return {
+        "vllm_version": vllm.__version__,
+        "runner": dsa_dbo_harness.runner_name(worker.model_runner),
         "plugin_patched": patched,
         "harness_gates": list(dsa_dbo_harness.GATES),
+        "harness_variants": list(dsa_dbo_harness.VARIANTS),
         "attention_backends": sparse_mla_backends(model),
         "kv_cache_dtype": worker.cache_config.cache_dtype,
         "prefix_caching": worker.cache_config.enable_prefix_caching,
