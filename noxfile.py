@@ -28,5 +28,9 @@ def lint(session: nox.Session) -> None:
 def tests(session: nox.Session, vllm: str) -> None:
     session.install(f"vllm=={vllm}", *VLLM[vllm])
     session.install("-e", ".[test]", *VLLM[vllm])
+    # Installing the plugin leaves the user's vLLM as it was.
+    session.run(
+        "python", "-c", f"import vllm; assert vllm.__version__ == {vllm!r}, vllm.__version__"
+    )
     session.run("vllm-dsa-dbo", "status")
     session.run("python", "-m", "pytest", "-q", *session.posargs)
