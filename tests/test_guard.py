@@ -59,7 +59,8 @@ REGISTER = """
 """
 BOTH_SEAMS = (
     "vllm.config.VllmConfig.__post_init__ and "
-    "vllm.model_executor.model_loader.utils.initialize_model"
+    "vllm.model_executor.model_loader.utils.initialize_model and "
+    "vllm.model_executor.model_loader.tensorizer.init_tensorizer_model"
 )
 
 
@@ -196,6 +197,52 @@ def test_other_version_refuses_at_model_build_a_config_made_before_register(tmp_
     assert "REFUSED vllm-dsa-dbo: GlmMoeDsaForCausalLM shares top-k" in result.stdout, (
         result.stdout + result.stderr[-3000:]
     )
+
+
+@pytest.mark.parametrize(
+    "before, env",
+    [(OTHER_VERSION, {}), ("", {"VLLM_DSA_DBO_DISABLE": "1"})],
+    ids=["other-version", "off-switch"],
+)
+def test_refusals_hold_for_a_vllm_tensorized_model_of_a_config_made_before_register(
+    tmp_path, before, env
+):
+    """TensorizerLoader builds a vLLM-tensorized model with init_tensorizer_model, not
+    initialize_model: a config unpickled in a worker is refused there too."""
+    shared, _ = model_folders(tmp_path)
+    result = run_python(
+        before,
+        f"""
+        import pickle
+        from vllm.config import DeviceConfig, ModelConfig, ParallelConfig, VllmConfig
+        made = pickle.dumps(VllmConfig(
+            model_config=ModelConfig(model={shared!r}, skip_tokenizer_init=True),
+            parallel_config=ParallelConfig(enable_dbo=True, all2all_backend="deepep_low_latency"),
+            device_config=DeviceConfig(device="cpu"),
+        ))
+        """,
+        REGISTER,
+        """
+        from vllm.model_executor.model_loader import tensorizer, tensorizer_loader
+        from vllm.model_executor.model_loader.tensorizer import TensorizerConfig
+        build = vars(tensorizer_loader).get("init_tensorizer_model")  # by value in 0.33.0
+        print("ALIAS", build in (None, tensorizer.init_tensorizer_model))
+        try:
+            tensorizer.init_tensorizer_model(
+                tensorizer_config=TensorizerConfig(tensorizer_uri="/nonexistent/model.tensors"),
+                vllm_config=pickle.loads(made),
+            )
+            print("BUILT")
+        except Exception as e:
+            print("REFUSED" if str(e).startswith("vllm-dsa-dbo:") else "FAILED", e)
+        """,
+        HF_HUB_OFFLINE="1",
+        **env,
+    )
+    assert "REFUSED vllm-dsa-dbo: GlmMoeDsaForCausalLM shares top-k" in result.stdout, (
+        result.stdout + result.stderr[-3000:]
+    )
+    assert "ALIAS True" in result.stdout
 
 
 @pytest.mark.parametrize(

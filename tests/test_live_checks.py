@@ -325,4 +325,37 @@ def test_unwired_load_check_falls_back_to_the_guard():
     log = result.stderr + result.stdout
     assert "patch base_loader left unapplied" in log and "takes no vllm_config" in log, log[-3000:]
     assert "could not install its load-time check here" in log
-    assert "refused (guard at vllm.config.VllmConfig.__post_init__)" in log
+    assert (
+        "refused (guard at vllm.config.VllmConfig.__post_init__ and "
+        "vllm.model_executor.model_loader.tensorizer.init_tensorizer_model)" in log
+    )
+
+
+# A second general plugin: vLLM imports it before any register(), it takes vLLM's getter
+# then, and its register() re-installs its wrapper over ours.
+SECOND_PLUGIN_IMPORT = """
+    from vllm.model_executor.layers.attention.sparse_mla_attention import SharedTopkIndicesBuffer
+    theirs = SharedTopkIndicesBuffer.topk_indices_buffer
+"""
+SECOND_PLUGIN_REGISTER = """
+    SharedTopkIndicesBuffer.topk_indices_buffer = property(
+        lambda self: theirs.fget(self), theirs.fset
+    )
+"""
+
+
+def test_getter_replaced_after_register_is_refused_at_load():
+    """The load check reads the top-k as a microbatch-1 thread does: a getter another plugin
+    put back over the fix's resolves microbatch 0's buffer there, and DBO is refused."""
+    result = run_python(
+        CPU_DBO, SECOND_PLUGIN_IMPORT, REGISTER, SECOND_PLUGIN_REGISTER, LOAD_GLM5_STACK
+    )
+    out = result.stdout
+    assert "UNAPPLIED []" in out and "LOADED False" in out, out + result.stderr[-3000:]
+    assert "REFUSED True vllm-dsa-dbo: Model shares top-k between layers, but a microbatch-1 " in (
+        out
+    )
+    assert (
+        "microbatch 1 resolves microbatch 0's top-k at layers.0.impl, layers.0, layers.1.impl, "
+        "layers.1, layers.2.impl, layers.2: something replaced a getter" in out
+    )

@@ -596,6 +596,58 @@ except KeyError:
         "False",
         f"{GUARD}::test_guard_refuses_mistral_index_sharing",
     ),
+    "a reloaded plugin puts a second finder on sys.meta_path": edit(
+        "patches._on_import",
+        "next(filter(_is_ours, sys.meta_path), None) or _Finder()",
+        "_Finder()",
+        "tests/test_plugin.py::test_plugin_imported_twice_keeps_one_finder_and_model_imports_work",
+    ),
+    "the guard leaves vLLM-tensorized models unrefused": edit(
+        "guard",
+        '_at_model_build(f"{LOADERS}.tensorizer", "init_tensorizer_model")',
+        '_at_model_build(f"{LOADERS}.tensorizer", "no_such_seam")',
+        f"{GUARD}::test_refusals_hold_for_a_vllm_tensorized_model_of_a_config_made_before_register"
+        "[off-switch]",
+    ),
+    "a tree's groups refused without DBO": edit(
+        "diagnostics.refusals:left_shared",
+        "num_ubatches > 1 and reads_another_layers_topk(group) "
+        "and len(group.ubatch_topk) < num_ubatches",
+        "reads_another_layers_topk(group) and len(group.ubatch_topk) < num_ubatches",
+        "tests/test_upstream_tree_load.py::test_glm5_loads_in_a_patched_tree_with_and_without_dbo",
+    ),
+    "a tree's logical top-k list read as the plugin's": edit(
+        "diagnostics.refusals:extra_logical_topk",
+        'list(extra.buffers) if hasattr(extra, "buffers") else list(extra)[1:]',
+        "list(extra.buffers)",
+        "tests/test_upstream_tree_load.py::test_glm5_loads_in_a_patched_tree_with_and_without_dbo",
+    ),
+    "a getter another plugin put back over the fix's loaded under DBO": edit(
+        "diagnostics.refusals:check_wired",
+        "num_ubatches > 1 and (differs := unresolved(model)) is not None",
+        "False",
+        f"{LIVE}::test_getter_replaced_after_register_is_refused_at_load",
+    ),
+    "the load-time probe reads as no microbatch (refuses every fixed model)": edit(
+        "diagnostics.refusals:as_ubatch.run",
+        "registry[threading.get_ident()] = ubatch_id",
+        "pass",
+        f"{LIVE}::test_failed_check_leaves_its_path_unwired_and_the_model_refused",
+    ),
+    "an initialize_model put over ours after register() builds unchecked": edit(
+        "diagnostics.load_check:_check_base_loader",
+        "target.record_metadata_for_reloading = "
+        "checked_build_end(target.record_metadata_for_reloading)",
+        "pass",
+        "tests/test_patch_base_loader.py::"
+        "test_initialize_model_replaced_after_registration_still_checks",
+    ),
+    "a wrapper over the load-time check goes unnamed": edit(
+        "diagnostics.load_check:wrapped_seams",
+        "inner is not None and current is not inner",
+        "False",
+        "tests/test_patch_base_loader.py::test_a_wrapper_over_the_load_check_is_named",
+    ),
 }
 
 # Mistral Large 4 came in vLLM 0.34.0: its mutations apply where its patches have a seam.

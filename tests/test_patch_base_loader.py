@@ -10,6 +10,8 @@ model build.
 
 from __future__ import annotations
 
+import inspect
+import logging
 import sys
 from types import ModuleType, SimpleNamespace
 
@@ -136,9 +138,12 @@ def load(vllm_env, monkeypatch, path: str, enable_dbo: bool) -> nn.Module:
 
 
 @pytest.mark.parametrize("path", LOAD_PATHS)
-def test_refused_model_is_refused_whichever_loader_builds_it(vllm_env, monkeypatch, path):
+def test_refused_model_is_refused_whichever_loader_builds_it(vllm_env, monkeypatch, caplog, path):
+    """By the check around the loader's build, not the fallback at the build's end."""
+    caplog.set_level(logging.WARNING, logger="vllm.dsa_dbo")
     with pytest.raises(ValueError, match="Drop --enable-dbo"):
         load(vllm_env, monkeypatch, path, enable_dbo=True)
+    assert "in place of the plugin's load-time check" not in caplog.text
 
 
 def test_loaders_imported_before_registration_get_the_check():
@@ -192,3 +197,67 @@ def test_startup_line_whichever_function_builds_the_model(fake_gpu, monkeypatch,
         )
         tensorizer_loader.init_tensorizer_model(tensorizer_config=config, vllm_config=fake_gpu)
     assert "Model keeps shared top-k per DBO microbatch: 2 microbatches" in caplog.text
+
+
+def test_initialize_model_replaced_after_registration_still_checks(fake_gpu, monkeypatch, caplog):
+    """A second plugin took vLLM's initialize_model at import and puts its own over ours
+    (and every alias) after register(): the model is still checked as its build ends, and
+    the log names the function that replaced ours."""
+    from vllm.model_executor.model_loader import base_loader, utils
+
+    from vllm_dsa_dbo.patches._shared import replace_function
+
+    stock = inspect.unwrap(utils.initialize_model)
+
+    def theirs(*args, **kwargs):
+        return stock(*args, **kwargs)
+
+    for module in list(sys.modules.values()):  # every alias replace_function rebinds
+        if getattr(module, "__dict__", {}).get("initialize_model") is utils.initialize_model:
+            monkeypatch.setattr(module, "initialize_model", utils.initialize_model)
+    replace_function(utils, "initialize_model", theirs)
+    assert base_loader.initialize_model is theirs
+    from vllm.config import CompilationMode
+
+    monkeypatch.setattr(fake_gpu.parallel_config, "enable_dbo", True)
+    monkeypatch.setattr(fake_gpu.compilation_config, "mode", CompilationMode.NONE)
+    caplog.set_level(logging.WARNING, logger="vllm.dsa_dbo")
+    with pytest.raises(ValueError, match="hands top-k .* in buffers that are not index groups"):
+        base_loader.initialize_model(fake_gpu, model_class=RefusedModel, model_config=MODEL_CONFIG)
+    replaced = f"theirs at {__file__}:{theirs.__code__.co_firstlineno}"
+    assert f"{replaced} builds models in place of" in caplog.text
+
+
+def test_a_wrapper_over_the_load_check_is_named(fake_gpu, monkeypatch, caplog):
+    """Another plugin's wrapper over the plugin's initialize_model: the check runs under it,
+    and the log names the wrapper."""
+    import functools
+
+    from vllm.config import CompilationMode
+    from vllm.model_executor.model_loader import utils
+
+    from vllm_dsa_dbo.cpu_dbo import SharedTopkStack, attention_module
+
+    ours = utils.initialize_model
+
+    @functools.wraps(ours)
+    def theirs(*args, **kwargs):
+        return ours(*args, **kwargs)
+
+    class Model(nn.Module):
+        def __init__(self, *, vllm_config=None, prefix: str = "") -> None:
+            super().__init__()
+            stack = SharedTopkStack([True, False, False], num_ubatches=None)
+            self.layers = nn.ModuleList(attention_module(i, stack.buffer) for i in stack.impls)
+
+    monkeypatch.setattr(utils, "initialize_model", theirs)
+    monkeypatch.setattr(fake_gpu.parallel_config, "enable_dbo", True)
+    monkeypatch.setattr(fake_gpu.compilation_config, "mode", CompilationMode.NONE)
+    caplog.set_level(logging.INFO, logger="vllm.dsa_dbo")
+    utils.initialize_model(fake_gpu, model_class=Model, model_config=MODEL_CONFIG)
+    assert "Model keeps shared top-k per DBO microbatch: 2 microbatches" in caplog.text
+    wrapper = f"theirs at {__file__}:{theirs.__code__.co_firstlineno}"
+    assert (
+        "other code wraps the plugin's load-time check at "
+        f"vllm.model_executor.model_loader.utils.initialize_model (by {wrapper})" in caplog.text
+    )

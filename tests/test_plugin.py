@@ -283,3 +283,33 @@ def test_hisparse_under_dbo_is_refused_at_load_whatever_the_layout(vllm_env):
     build = checked_build(lambda vllm_config: torch.nn.Linear(1, 1))  # a model of no DSA layers
     with pytest.raises(ValueError, match="HiSparse cannot run with dual batch overlap, whatever"):
         build(vllm_config=dbo)
+
+
+RELOAD = """
+    import importlib, sys
+    import vllm_dsa_dbo
+    vllm_dsa_dbo.register()
+    for name in [m for m in sys.modules if m.split(".")[0] == "vllm_dsa_dbo"]:
+        del sys.modules[name]
+    importlib.import_module("vllm_dsa_dbo").register()
+    from vllm_dsa_dbo.patches import _on_import, applied
+    from vllm.model_executor.model_loader import utils
+    attention = importlib.import_module("vllm.models.deepseek_v32.attention")
+    init = attention.DeepseekV32Attention.__init__
+    print("FINDERS", sum(type(f).__name__ == "_Finder" for f in sys.meta_path))
+    print("APPLIED", applied(attention), applied(utils))
+    print("STACKED", hasattr(init.__wrapped__, "after_init"),
+          utils.initialize_model.__wrapped__.__module__)
+"""
+
+
+def test_plugin_imported_twice_keeps_one_finder_and_model_imports_work():
+    """A hot reload or a test harness imports the plugin's modules again: one finder stays,
+    a model module imported afterwards is patched once, nothing is stacked."""
+    from vllm.model_executor.model_loader import utils
+
+    result = run_python(RELOAD)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "FINDERS 1" in result.stdout, result.stdout
+    assert "APPLIED ('deepseek_v32_attention',) ('base_loader',)" in result.stdout
+    assert f"STACKED False {utils.__name__}" in result.stdout

@@ -4,6 +4,7 @@ build: a DSA model with shared top-k layers, or HiSparse, under DBO; nothing els
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -113,29 +114,38 @@ def takes_vllm_config(build: Callable) -> str | None:
     return f"{build.__module__}.{build.__name__} takes no vllm_config parameter"
 
 
-def _at_model_build() -> Callable[[str], None]:
-    from vllm.model_executor.model_loader import utils
+def _at_model_build(module: str, name: str) -> Callable[[], Callable[[str], None]]:
+    """The seam finder for `module.name`, a function that builds a model for `vllm_config`."""
 
-    stock = utils.initialize_model
-    if (differs := takes_vllm_config(stock)) is not None:
-        raise TypeError(differs)
-    signature = inspect.signature(stock)
+    def find() -> Callable[[str], None]:
+        holder = importlib.import_module(module)
+        stock = getattr(holder, name)
+        if (differs := takes_vllm_config(stock)) is not None:
+            raise TypeError(differs)
+        signature = inspect.signature(stock)
 
-    def install(why: str) -> None:
-        def initialize_model(*args: Any, **kwargs: Any) -> Any:
-            refuse_unfixed(signature.bind(*args, **kwargs).arguments["vllm_config"], why)
-            return stock(*args, **kwargs)
+        def install(why: str) -> None:
+            def build(*args: Any, **kwargs: Any) -> Any:
+                refuse_unfixed(signature.bind(*args, **kwargs).arguments["vllm_config"], why)
+                return stock(*args, **kwargs)
 
-        replace_function(utils, "initialize_model", initialize_model)
+            replace_function(holder, name, build)
 
-    return install
+        return install
+
+    return find
 
 
 # Config creation, and model build for a config made before register() (unpickled in a
-# worker): each finds its seam, raising where this vLLM lacks it, and returns its installer.
+# worker), by every loader's build and a vLLM-tensorized model's: each finds its seam,
+# raising where this vLLM lacks it, and returns its installer.
+LOADERS = "vllm.model_executor.model_loader"
 SEAMS: dict[str, Callable[[], Callable[[str], None]]] = {
     "vllm.config.VllmConfig.__post_init__": _at_config_creation,
-    "vllm.model_executor.model_loader.utils.initialize_model": _at_model_build,
+    f"{LOADERS}.utils.initialize_model": _at_model_build(f"{LOADERS}.utils", "initialize_model"),
+    f"{LOADERS}.tensorizer.init_tensorizer_model": _at_model_build(
+        f"{LOADERS}.tensorizer", "init_tensorizer_model"
+    ),
 }
 
 

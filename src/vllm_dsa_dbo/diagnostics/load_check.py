@@ -15,16 +15,13 @@ from vllm_dsa_dbo.guard import refuse_hisparse, takes_vllm_config
 from vllm_dsa_dbo.patches._shared import Patch, replace_function
 
 _building = threading.local()
+# The checked builds this process installed: what another plugin's wrapper may sit over.
+_CHECKED: list[Callable[..., Any]] = []
 
 
 def checked_build(build: Callable[..., Any]) -> Callable[..., Any]:
     """`build`, a vLLM function that builds a model for `vllm_config`, checking the
     model the outermost call returns (sub-models are built inside it)."""
-    from vllm.v1.worker.ubatch_utils import get_num_ubatches
-
-    from vllm_dsa_dbo.diagnostics.refusals import check_wired
-    from vllm_dsa_dbo.diagnostics.startup import describe
-
     signature = inspect.signature(build)
 
     @functools.wraps(build)
@@ -39,13 +36,84 @@ def checked_build(build: Callable[..., Any]) -> Callable[..., Any]:
         finally:
             _building.depth = depth
         if depth == 0:
-            check_wired(model, get_num_ubatches(vllm_config.parallel_config))
-            line = describe(model)
-            if line is not None:
-                settings.logger().info(line)
+            check_model(model, vllm_config)
         return model
 
+    _CHECKED.append(checked)
     return checked
+
+
+def _where(function: Any) -> str:
+    """Where `function` is defined: functools.wraps gives a wrapper the wrapped one's names."""
+    code = getattr(function, "__code__", None)
+    if code is None:
+        return repr(function)
+    return f"{code.co_name} at {code.co_filename}:{code.co_firstlineno}"
+
+
+def wrapped_seams() -> list[str]:
+    """Each build seam where other code now sits over the plugin's checked build, and what."""
+    from vllm.model_executor.model_loader import tensorizer, utils
+
+    found = []
+    for module, name in ((utils, "initialize_model"), (tensorizer, "init_tensorizer_model")):
+        current = inner = getattr(module, name)
+        while inner is not None and inner not in _CHECKED:
+            inner = getattr(inner, "__wrapped__", None)
+        if inner is not None and current is not inner:
+            found.append(f"{module.__name__}.{name} (by {_where(current)})")
+    return found
+
+
+def check_model(model: Any, vllm_config: Any) -> None:
+    """Refuse `model` where its followers would read shared top-k under DBO, else log its line."""
+    from vllm.v1.worker.ubatch_utils import get_num_ubatches
+
+    from vllm_dsa_dbo.diagnostics.refusals import check_wired
+    from vllm_dsa_dbo.diagnostics.startup import describe
+
+    check_wired(model, get_num_ubatches(vllm_config.parallel_config))
+    line = describe(model)
+    if line is not None:
+        settings.logger().info(line)
+    for seam in wrapped_seams():
+        settings.logger().warning(
+            "vllm-dsa-dbo: other code wraps the plugin's load-time check at %s; the check ran "
+            "under it",
+            seam,
+        )
+
+
+def checked_build_end(record: Callable[..., Any]) -> Callable[..., Any]:
+    """`record`, which vLLM's initialize_model calls on the model it just built, checking that
+    model where no checked build is under way: another plugin put its initialize_model over
+    ours after register()."""
+
+    @functools.wraps(record)
+    def record_metadata_for_reloading(model: Any, *args: Any, **kwargs: Any) -> Any:
+        result = record(model, *args, **kwargs)
+        if getattr(_building, "depth", 0) == 0:
+            from vllm.config import get_current_vllm_config
+            from vllm.model_executor.model_loader import utils
+
+            settings.logger().warning(
+                "vllm-dsa-dbo: %s builds models in place of the plugin's load-time check "
+                "(another plugin replaced initialize_model after register()): the model is "
+                "checked as its build ends",
+                _where(utils.initialize_model),
+            )
+            vllm_config = get_current_vllm_config()
+            refuse_hisparse(vllm_config)
+            check_model(model, vllm_config)
+        return result
+
+    return record_metadata_for_reloading
+
+
+def _check_base_loader(target: ModuleType) -> None:
+    """Check every model the module's initialize_model builds, whoever calls it."""
+    _checking("initialize_model")(target)
+    target.record_metadata_for_reloading = checked_build_end(target.record_metadata_for_reloading)
 
 
 def _checking(name: str) -> Callable[[ModuleType], None]:
@@ -55,9 +123,9 @@ def _checking(name: str) -> Callable[[ModuleType], None]:
 
 BASE_LOADER = Patch(
     name="base_loader",
-    fits={"0.33.0": "a4180e8e9bb7a6ef", "0.34.0": "a4180e8e9bb7a6ef"},
+    fits={"0.33.0": "ee4508ceb2b84253", "0.34.0": "ee4508ceb2b84253"},
     target="vllm.model_executor.model_loader.utils",
-    replaces=("initialize_model",),
+    replaces=("initialize_model", "record_metadata_for_reloading"),
     why=(
         "An operator cannot see from the logs whether the fix is active for a model "
         "or what it costs; and models whose leaders write the top-k outside "
@@ -80,7 +148,13 @@ BASE_LOADER = Patch(
         "cross-layer index buffers), else logs one INFO line with the microbatch "
         "count, the index groups with followers (or V4.1's copied buffers), the "
         "bytes allocated and the sparse MLA backend, and nothing when nothing was "
-        "allocated. Before the build it refuses HiSparse under DBO."
+        "allocated. Before the build it refuses HiSparse under DBO. The check reads "
+        "each index group with followers as a microbatch-1 thread does, through the "
+        "getters the forward uses, and refuses a group whose microbatch 1 resolves "
+        "microbatch 0's top-k (a getter another plugin put back over the fix's). It "
+        "also wraps record_metadata_for_reloading, which vLLM's initialize_model calls "
+        "on the model it built: where another plugin put its initialize_model over ours "
+        "after register(), the model is checked there, and a warning names that function."
     ),
     upstream=(
         "none for the log line; the refusals stand in for fixes PR #60734 does "
@@ -88,7 +162,7 @@ BASE_LOADER = Patch(
         "and, on ROCm, for PR #56476 (DeepSeek-V4.1)"
     ),
     remove_when="with the other patches (the vLLM release that merges PR #60734)",
-    apply=_checking("initialize_model"),
+    apply=_check_base_loader,
     check=lambda target: takes_vllm_config(target.initialize_model),
 )
 TENSORIZER = Patch(

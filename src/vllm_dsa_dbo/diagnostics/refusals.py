@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import functools
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from vllm_dsa_dbo.ubatch_buffers import stored_buffer, ubatch_copies
 
 if TYPE_CHECKING:
     import torch
     from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroup
+
+T = TypeVar("T")
 
 
 def index_groups(model: torch.nn.Module) -> list[SparseMLAIndexGroup]:
@@ -26,10 +31,25 @@ def reads_another_layers_topk(group: SparseMLAIndexGroup) -> bool:
     return group.num_layers > 1 or not group.has_indexer
 
 
+def extra_logical_topk(group: Any) -> list[torch.Tensor]:
+    """The logical top-k buffers `group` holds for microbatches 1..: the plugin's, or those
+    of a vLLM that carries the upstream change (a list, microbatch 0's first)."""
+    extra = getattr(group, "ubatch_logical_topk", None)
+    if extra is None:
+        return []
+    return list(extra.buffers) if hasattr(extra, "buffers") else list(extra)[1:]
+
+
+def extra_topk_states(group: Any) -> list[Any]:
+    """`group`'s converted top-k states for microbatches 1.., either shape."""
+    if hasattr(group, "ubatch_topk"):
+        return list(group.ubatch_topk)[1:]
+    return list(getattr(group, "ubatch_topk_states", ()))
+
+
 def has_logical_copies(group: SparseMLAIndexGroup) -> bool:
     """Whether `group` holds extra microbatches' logical buffers."""
-    extra = getattr(group, "ubatch_logical_topk", None)
-    return extra is not None and bool(extra.buffers)
+    return bool(extra_logical_topk(group))
 
 
 def followed_groups(groups: list[SparseMLAIndexGroup]) -> list[SparseMLAIndexGroup]:
@@ -53,8 +73,12 @@ def left_shared(group: Any, num_ubatches: int) -> bool:
 
     A group of a vLLM that carries the upstream change keeps its state in
     `ubatch_topk`, one entry per microbatch, and its writers always follow the impl."""
-    if hasattr(group, "ubatch_topk"):
-        return reads_another_layers_topk(group) and len(group.ubatch_topk) < num_ubatches
+    if hasattr(group, "ubatch_topk"):  # without DBO it holds none: nothing to refuse
+        return (
+            num_ubatches > 1
+            and reads_another_layers_topk(group)
+            and len(group.ubatch_topk) < num_ubatches
+        )
     if getattr(group, "num_ubatches", 1) < num_ubatches:
         return reads_another_layers_topk(group)
     return hasattr(group, "ubatch_topk_states") and shares_topk_across_ubatches(group)
@@ -115,6 +139,68 @@ def sparse_mla_backend(module: Any) -> str:
     return type(module.impl).__name__ if backend is None else backend.get_name()
 
 
+def as_ubatch(ubatch_id: int, read: Callable[[], T]) -> T:
+    """`read()` in a thread registered as DBO microbatch `ubatch_id`, as DBO registers its own."""
+    from vllm.v1.worker import ubatching
+
+    found: list[Any] = []
+
+    def run() -> None:
+        registry = ubatching._THREAD_ID_TO_CONTEXT
+        registry[threading.get_ident()] = ubatch_id
+        try:
+            found.append(read())
+        except BaseException as e:  # raised again in the caller
+            found.append(e)
+        finally:
+            registry.pop(threading.get_ident(), None)
+
+    thread = threading.Thread(target=run, name=f"vllm-dsa-dbo-probe-{ubatch_id}")
+    thread.start()
+    thread.join()
+    if isinstance(found[0], BaseException):
+        raise found[0]
+    return found[0]
+
+
+def _address(tensor: Any) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
+
+
+def resolved_topk(model: Any, group: Any) -> dict[str, int | None]:
+    """Where the calling microbatch's forward finds `group`'s top-k: each layer's impl getter
+    (the leader's writers and the followers' readers), a leader module's own getter, and the
+    converted state."""
+    found: dict[str, int | None] = {}
+    for name, module in model.named_modules():
+        impl = getattr(module, "impl", None)
+        if getattr(impl, "index_group", None) is not group:
+            continue
+        found[f"{name}.impl"] = _address(impl.topk_indices_buffer)
+        if isinstance(getattr(type(module), "topk_indices_buffer", None), property):
+            found[name] = _address(module.topk_indices_buffer)
+    state = getattr(group, "_topk_state", lambda: group)()
+    found["physical"] = _address(state.physical_topk_indices)
+    return found
+
+
+def unresolved(model: Any) -> str | None:
+    """None when, through the getters the forward uses, each index group with followers
+    resolves microbatch 1 to one state of its own, else what does not."""
+    for group in index_groups(model):
+        if group.num_layers < 2:
+            continue
+        read = functools.partial(resolved_topk, model, group)
+        zero, one = as_ubatch(0, read), as_ubatch(1, read)
+        logical = {k: v for k, v in one.items() if k != "physical"}
+        if len(set(logical.values())) > 1:
+            return f"in microbatch 1, its layers' getters resolve different buffers ({logical})"
+        shared = [k for k in one if one[k] == zero[k]]
+        if shared:
+            return f"microbatch 1 resolves microbatch 0's top-k at {', '.join(shared)}"
+    return None
+
+
 def check_wired(model: Any, num_ubatches: int = 1) -> None:
     """Refuse DBO for a model whose leaders write the shared top-k elsewhere."""
     if num_ubatches > 1 and (
@@ -157,4 +243,12 @@ def check_wired(model: Any, num_ubatches: int = 1) -> None:
             "(where a vllm-dsa-dbo patch was left unapplied, a warning at startup "
             "and `vllm-dsa-dbo status` say why). "
             "Drop --enable-dbo (and --ubatch-size) for this model."
+        )
+    if num_ubatches > 1 and (differs := unresolved(model)) is not None:
+        raise ValueError(
+            f"vllm-dsa-dbo: {type(model).__name__} shares top-k between layers, but a "
+            f"microbatch-1 thread at load finds that {differs}: something replaced a getter "
+            "the fix installed (another plugin?), and with dual batch overlap its followers "
+            "would read the other microbatch's top-k. Drop --enable-dbo (and --ubatch-size) "
+            "for this model, or the plugin that replaces it."
         )

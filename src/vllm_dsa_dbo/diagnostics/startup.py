@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from vllm_dsa_dbo.diagnostics.refusals import (
+    extra_logical_topk,
+    extra_topk_states,
     followed_groups,
     has_logical_copies,
     index_groups,
@@ -19,10 +21,10 @@ if TYPE_CHECKING:
 
 def ubatch_topk_bytes(groups: list[SparseMLAIndexGroup]) -> int:
     """Bytes allocated for extra microbatches across `groups`."""
-    logical = {id(g.ubatch_logical_topk): g.ubatch_logical_topk for g in groups}
-    tensors = [t for extra in logical.values() if extra is not None for t in extra.buffers]
+    logical = {id(t): t for g in groups for t in extra_logical_topk(g)}
+    tensors = list(logical.values())
     for group in groups:
-        for state in group.ubatch_topk_states:
+        for state in extra_topk_states(group):
             tensors += [state.physical_topk_indices, state.valid_topk_counts]
     return _bytes(tensors)
 
@@ -59,7 +61,7 @@ def describe(model: Any) -> str | None:
         )
         return (
             f"vllm-dsa-dbo: {name} keeps shared top-k per DBO microbatch: "
-            f"{len(copied[0].ubatch_logical_topk.buffers) + 1} microbatches, "
+            f"{len(extra_logical_topk(copied[0])) + 1} microbatches, "
             f"{len(followed_groups(copied))} index groups with followers, {allocated:,} bytes "
             f"({allocated / 2**20:.1f} MiB) allocated; sparse MLA backend {', '.join(backends)}"
         )

@@ -44,7 +44,7 @@ class _Finder(importlib.abc.MetaPathFinder):
             return None
         for finder in sys.meta_path:
             find = getattr(finder, "find_spec", None)
-            spec = None if finder is self or find is None else find(fullname, path, target)
+            spec = None if _is_ours(finder) or find is None else find(fullname, path, target)
             if spec is not None:
                 if spec.loader is not None:
                     spec.loader = _Loader(spec.loader, self)
@@ -52,7 +52,13 @@ class _Finder(importlib.abc.MetaPathFinder):
         return None
 
 
-_FINDER = _Finder()
+def _is_ours(finder: Any) -> bool:
+    """A finder of this module, whichever import of it made it (a reload makes another)."""
+    return type(finder).__module__ == __name__ and type(finder).__qualname__ == "_Finder"
+
+
+# The finder an earlier import of this module left on sys.meta_path, its callbacks pending.
+_FINDER: _Finder = next(filter(_is_ours, sys.meta_path), None) or _Finder()
 
 
 def on_first_import(name: str, callback: Callback) -> None:
