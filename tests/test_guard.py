@@ -168,21 +168,26 @@ def test_guard_falls_back_to_the_model_build_seam():
     assert "SEAM True vllm_dsa_dbo.guard" in result.stdout
 
 
+def pickled_dbo_config(model: str) -> str:
+    """Code that pickles a DBO config of `model`, made before register(), as `made`."""
+    return f"""
+        import pickle
+        from vllm.config import DeviceConfig, ModelConfig, ParallelConfig, VllmConfig
+        made = pickle.dumps(VllmConfig(
+            model_config=ModelConfig(model={model!r}, skip_tokenizer_init=True),
+            parallel_config=ParallelConfig(enable_dbo=True, all2all_backend="deepep_low_latency"),
+            device_config=DeviceConfig(device="cpu"),
+        ))
+        """
+
+
 def test_other_version_refuses_at_model_build_a_config_made_before_register(tmp_path):
     """A config made before register() (its __post_init__ unguarded) and unpickled in a
     worker is refused when the worker builds the model."""
     shared, _ = model_folders(tmp_path)
     result = run_python(
         OTHER_VERSION,
-        f"""
-        import pickle
-        from vllm.config import DeviceConfig, ModelConfig, ParallelConfig, VllmConfig
-        made = pickle.dumps(VllmConfig(
-            model_config=ModelConfig(model={shared!r}, skip_tokenizer_init=True),
-            parallel_config=ParallelConfig(enable_dbo=True, all2all_backend="deepep_low_latency"),
-            device_config=DeviceConfig(device="cpu"),
-        ))
-        """,
+        pickled_dbo_config(shared),
         REGISTER,
         """
         from vllm.model_executor.model_loader import utils
@@ -212,15 +217,7 @@ def test_refusals_hold_for_a_vllm_tensorized_model_of_a_config_made_before_regis
     shared, _ = model_folders(tmp_path)
     result = run_python(
         before,
-        f"""
-        import pickle
-        from vllm.config import DeviceConfig, ModelConfig, ParallelConfig, VllmConfig
-        made = pickle.dumps(VllmConfig(
-            model_config=ModelConfig(model={shared!r}, skip_tokenizer_init=True),
-            parallel_config=ParallelConfig(enable_dbo=True, all2all_backend="deepep_low_latency"),
-            device_config=DeviceConfig(device="cpu"),
-        ))
-        """,
+        pickled_dbo_config(shared),
         REGISTER,
         """
         from vllm.model_executor.model_loader import tensorizer, tensorizer_loader
