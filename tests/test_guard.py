@@ -169,7 +169,8 @@ def test_guard_falls_back_to_the_model_build_seam():
 
 
 def pickled_dbo_config(model: str) -> str:
-    """Code that pickles a DBO config of `model`, made before register(), as `made`."""
+    """Code that pickles a DBO config of `model`, made before register(), as `made`, and
+    `report_build(build)`, which prints whether building it was refused."""
     return f"""
         import pickle
         from vllm.config import DeviceConfig, ModelConfig, ParallelConfig, VllmConfig
@@ -178,6 +179,12 @@ def pickled_dbo_config(model: str) -> str:
             parallel_config=ParallelConfig(enable_dbo=True, all2all_backend="deepep_low_latency"),
             device_config=DeviceConfig(device="cpu"),
         ))
+        def report_build(build):
+            try:
+                build()
+                print("BUILT")
+            except Exception as e:
+                print("REFUSED" if str(e).startswith("vllm-dsa-dbo:") else "FAILED", e)
         """
 
 
@@ -191,11 +198,7 @@ def test_other_version_refuses_at_model_build_a_config_made_before_register(tmp_
         REGISTER,
         """
         from vllm.model_executor.model_loader import utils
-        try:
-            utils.initialize_model(vllm_config=pickle.loads(made))
-            print("BUILT")
-        except Exception as e:
-            print("REFUSED" if str(e).startswith("vllm-dsa-dbo:") else "FAILED", e)
+        report_build(lambda: utils.initialize_model(vllm_config=pickle.loads(made)))
         """,
         HF_HUB_OFFLINE="1",
     )
@@ -224,14 +227,10 @@ def test_refusals_hold_for_a_vllm_tensorized_model_of_a_config_made_before_regis
         from vllm.model_executor.model_loader.tensorizer import TensorizerConfig
         build = vars(tensorizer_loader).get("init_tensorizer_model")  # by value in 0.33.0
         print("ALIAS", build in (None, tensorizer.init_tensorizer_model))
-        try:
-            tensorizer.init_tensorizer_model(
-                tensorizer_config=TensorizerConfig(tensorizer_uri="/nonexistent/model.tensors"),
-                vllm_config=pickle.loads(made),
-            )
-            print("BUILT")
-        except Exception as e:
-            print("REFUSED" if str(e).startswith("vllm-dsa-dbo:") else "FAILED", e)
+        report_build(lambda: tensorizer.init_tensorizer_model(
+            tensorizer_config=TensorizerConfig(tensorizer_uri="/nonexistent/model.tensors"),
+            vllm_config=pickle.loads(made),
+        ))
         """,
         HF_HUB_OFFLINE="1",
         **env,
