@@ -1,4 +1,4 @@
-"""Core: shared top-k stays per DBO microbatch through vLLM's real classes.
+"""Core: shared top-k stays per DBO microbatch through vLLM's real classes, in each layout.
 
 Layers A and B lead, C follows B (GLM-5.x layers 1, 2, 3): one group without
 followers, one with a follower. One DBO step runs A0 B0 | A1 B1 | C0 | C1
@@ -9,10 +9,17 @@ does.
 from __future__ import annotations
 
 import pytest
+import torch
 
-from vllm_dsa_dbo.cpu_dbo import FakeStream, SharedTopkStack
+from layouts import address
+from vllm_dsa_dbo import settings
+from vllm_dsa_dbo.cpu_dbo import TOKENS_PER_UBATCH, FakeStream, SharedTopkStack, run_dbo_step
+
+pytestmark = pytest.mark.usefixtures("layout")
 
 LEADERS = [True, True, False]
+# Converted rows for the whole step: each microbatch converts once into the group's state.
+WHOLE_STEP = sum(TOKENS_PER_UBATCH)
 
 
 def foreign_event_waits() -> list[tuple[int, int | None]]:
@@ -25,7 +32,7 @@ def foreign_event_waits() -> list[tuple[int, int | None]]:
 
 
 def test_dbo_ubatch_followers_read_their_own_leaders_topk(fake_gpu):
-    stack = SharedTopkStack(LEADERS, num_ubatches=2)
+    stack = SharedTopkStack(LEADERS, num_ubatches=2, max_decode_rows=WHOLE_STEP)
     group_a, group_b, group_c = (impl.index_group for impl in stack.impls)
     assert group_c is group_b and stack.impls[2].index_group_index == 1
 
@@ -42,22 +49,71 @@ def test_dbo_ubatch_followers_read_their_own_leaders_topk(fake_gpu):
     assert foreign_event_waits() == []
 
 
-def test_dbo_ubatch_writers_and_readers_resolve_one_buffer(fake_gpu):
-    stack = SharedTopkStack(LEADERS, num_ubatches=2)
+def test_dbo_ubatch_writers_and_readers_resolve_one_buffer(fake_gpu, layout):
+    stack = SharedTopkStack(LEADERS, num_ubatches=2, max_decode_rows=WHOLE_STEP)
+    group = stack.impls[1].index_group
     seen = {}
 
     def step(ubatch: int) -> None:
-        seen[ubatch] = [stack.attns[1].topk_indices_buffer] + [
-            impl.topk_indices_buffer for impl in stack.impls
-        ]
-
-    from vllm_dsa_dbo.cpu_dbo import run_dbo_step
+        buffers = [stack.attns[1].topk_indices_buffer]
+        buffers += [impl.topk_indices_buffer for impl in stack.impls]
+        seen[ubatch] = {address(b) for b in buffers}, address(group.physical_topk_indices)
 
     run_dbo_step(step)
-    for buffers in seen.values():
-        assert all(b is buffers[0] for b in buffers)
-    assert seen[0][0] is stack.buffer
-    assert seen[1][0] is stack.builder.ubatch_logical_topk.buffers[0]
+    assert seen[0] == ({address(stack.buffer)}, address(group.physical_topk_indices))
+    if layout == settings.OFFSETS:
+        rows = [t[TOKENS_PER_UBATCH[0] :] for t in (stack.buffer, group.physical_topk_indices)]
+    else:
+        state = group.ubatch_topk_states[0]
+        rows = [stack.builder.ubatch_logical_topk.buffers[0], state.physical_topk_indices]
+    assert seen[1] == ({address(rows[0])}, address(rows[1]))
+
+
+def test_dbo_ubatch_offsets_allocate_no_topk_buffer(fake_gpu, layout):
+    """Microbatch 1's logical and converted rows are microbatch 0's, from its token offset:
+    only its valid counts (kilobytes) and events are its own."""
+    from vllm_dsa_dbo.diagnostics.startup import ubatch_topk_bytes
+
+    stack = SharedTopkStack(LEADERS, num_ubatches=2, max_decode_rows=WHOLE_STEP)
+    group = stack.impls[1].index_group
+    seen = {}
+
+    def step(ubatch: int) -> None:
+        seen[ubatch] = stack.impls[2].topk_indices_buffer, group.physical_topk_indices
+
+    run_dbo_step(step)
+    logical, physical = seen[1]
+    counts = group.ubatch_topk_states[0].valid_topk_counts
+    aliases = logical._base is stack.buffer and physical._base is group.physical_topk_indices
+    assert aliases == (layout == settings.OFFSETS)
+    if layout == settings.OFFSETS:
+        assert ubatch_topk_bytes([group]) == counts.numel() * counts.element_size()
+    else:
+        assert ubatch_topk_bytes([group]) > stack.buffer.numel() * stack.buffer.element_size()
+
+
+def test_dbo_ubatch_past_the_workspace_converts_per_layer(fake_gpu, layout, monkeypatch):
+    """A microbatch whose rows run past the group's converted rows (at its offset) takes
+    vLLM's own per-layer conversion: still its own top-k, converted by every layer."""
+    from vllm.v1.attention.backends.mla import index_group
+
+    conversions = []
+    convert = index_group.triton_convert_req_index_to_global_index
+
+    def counted(*args, **kwargs):
+        conversions.append("out" in kwargs)
+        return convert(*args, **kwargs)
+
+    monkeypatch.setattr(index_group, "triton_convert_req_index_to_global_index", counted)
+    rows = TOKENS_PER_UBATCH[0] + TOKENS_PER_UBATCH[1] - 2
+    reads = SharedTopkStack(LEADERS, num_ubatches=2, max_decode_rows=rows).run_step()
+
+    assert [(r.layer, r.ubatch) for r in reads if not r.ok] == []
+    # (into a group's rows, per layer): A converts in each microbatch; B once for B and C,
+    # but at its offset microbatch 1 runs past B's rows, so B and C each convert for
+    # themselves.
+    into_rows = (3, 2) if layout == settings.OFFSETS else (4, 0)
+    assert (conversions.count(True), conversions.count(False)) == into_rows
 
 
 def test_dbo_ubatch_one_microbatch_shows_the_bug(fake_gpu):
@@ -72,7 +128,7 @@ def test_dbo_ubatch_outside_microbatch_threads_resolves_ubatch0(fake_gpu):
     group = stack.impls[1].index_group
     assert stack.impls[2].topk_indices_buffer is stack.buffer
     assert group._topk_state() is group
-    assert group.physical_topk_indices is not group.ubatch_topk_states[0].physical_topk_indices
+    assert group.valid_topk_counts is not group.ubatch_topk_states[0].valid_topk_counts
 
 
 @pytest.mark.parametrize("num_ubatches", [None, 1])
@@ -88,7 +144,7 @@ def test_dbo_ubatch_leaders_writing_elsewhere_are_refused(fake_gpu):
     its group never resolves per microbatch, and the loader refuses the model."""
     import torch.nn as nn
 
-    from vllm_dsa_dbo.cpu_dbo import make_impl, run_dbo_step
+    from vllm_dsa_dbo.cpu_dbo import make_impl
     from vllm_dsa_dbo.diagnostics.refusals import check_wired
 
     stack = SharedTopkStack(LEADERS, num_ubatches=2)
@@ -112,7 +168,6 @@ def test_dbo_ubatch_leaders_writing_elsewhere_are_refused(fake_gpu):
 def test_dbo_ubatch_followers_in_private_groups_are_refused(fake_gpu, num_ubatches, refused):
     """ROCm DSA / HYV4 style: no shared builder, so a follower gets a group of
     its own and still reads the model-wide logical buffer its leader wrote."""
-    import torch
     import torch.nn as nn
     from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroupBuilder
 
@@ -136,8 +191,6 @@ def test_dbo_ubatch_followers_in_private_groups_are_refused(fake_gpu, num_ubatch
 def test_dbo_ubatch_other_threads_resolve_ubatch0_while_microbatches_run(fake_gpu):
     """vLLM's own dbo_current_ubatch_id() raises KeyError here; the fix must not."""
     import threading
-
-    from vllm_dsa_dbo.cpu_dbo import run_dbo_step
 
     stack = SharedTopkStack(LEADERS, num_ubatches=2)
     group = stack.impls[2].index_group
@@ -175,8 +228,6 @@ def test_dbo_ubatch_group_built_without_init_reads_as_stock(fake_gpu, monkeypatc
     group = object.__new__(index_group.HiSparseMLAIndexGroup)
     unset = {name: error_reading(group, name) for name in UBATCH_TOPK_FIELDS}
     assert unset == dict.fromkeys(UBATCH_TOPK_FIELDS, AttributeError)
-
-    import torch
 
     # vLLM 0.34.0's HiSparse group records on the accelerator's current stream.
     monkeypatch.setattr(torch.accelerator, "current_stream", lambda *args: FakeStream())

@@ -54,7 +54,7 @@ def build(
 )
 @pytest.mark.parametrize("num_ubatches", [2, 3])
 def test_allocated_bytes_match_formula(
-    fake_gpu, num_layers, freq, offset, expected_groups, num_ubatches
+    fake_gpu, num_layers, freq, offset, expected_groups, num_ubatches, layout
 ):
     leaders = glm5_leaders(num_layers, freq, offset)
     _, copied = build(leaders, num_ubatches)
@@ -63,7 +63,7 @@ def test_allocated_bytes_match_formula(
 
     extra = num_ubatches - 1
     index_bytes = (MAX_NUM_BATCHED_TOKENS + g * (MAX_DECODE_ROWS + 1)) * INDEX_TOPK * 4
-    if g == 0:
+    if g == 0 or layout == "offsets":
         index_bytes = 0
     count_bytes = g * (MAX_DECODE_ROWS + 1) * 4
     assert ubatch_topk_bytes(copied) == extra * (index_bytes + count_bytes)
@@ -72,6 +72,7 @@ def test_allocated_bytes_match_formula(
         max_decode_rows=MAX_DECODE_ROWS,
         index_topk=INDEX_TOPK,
         groups_with_followers=g,
+        at_token_offset=layout == "offsets",
     )
 
 

@@ -168,7 +168,7 @@ class CompiledStack(SharedTopkStack):
         self.traced_ready[layer].record(current_stream())
 
 
-def test_compiled_dsa_followers_read_their_own_leaders_topk(fake_gpu, monkeypatch):
+def test_compiled_dsa_followers_read_their_own_leaders_topk(fake_gpu, monkeypatch, layout):
     from vllm_dsa_dbo.diagnostics.refusals import check_wired
     from vllm_dsa_dbo.diagnostics.startup import describe
 
@@ -211,22 +211,22 @@ def test_traced_code_reads_microbatch_0s_group_state(fake_gpu):
 
     stack = SharedTopkStack(LEADERS, num_ubatches=2)
     group = stack.impls[2].index_group
-    ubatch0 = group.physical_topk_indices
+    ubatch0 = group.valid_topk_counts
     traced = {}
 
     def read(x: torch.Tensor) -> torch.Tensor:
-        return x + group.physical_topk_indices[0, 0]
+        return x + group.valid_topk_counts[0]
 
     def step(ubatch: int) -> None:
         if ubatch == 1:
             compiled = torch.compile(read, fullgraph=True, backend="eager")
-            ubatch0[0, 0] = 7
-            group.physical_topk_indices[0, 0] = 5
+            ubatch0[0] = 7
+            group.valid_topk_counts[0] = 5
             try:
                 traced["value"] = int(compiled(torch.zeros(())))
             except torch._dynamo.exc.Unsupported as e:  # a graph break
                 traced["graph break"] = str(e).splitlines()[0]
 
     run_dbo_step(step)
-    assert group.ubatch_topk_states[0].physical_topk_indices is not ubatch0
+    assert group.ubatch_topk_states[0].valid_topk_counts is not ubatch0
     assert traced == {"value": 7}

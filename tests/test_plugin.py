@@ -119,10 +119,18 @@ CHECKER = """
             "behaviour for A/B runs), or unset it (0, false, no, off or none also mean off). "
             "The fix is applied.",
         ),
+        (
+            {"VLLM_DSA_DBO_LAYOUT": "rows"},
+            True,
+            None,
+            "VLLM_DSA_DBO_LAYOUT='rows' is not understood: set copies or offsets to choose where "
+            "microbatches 1.. keep top-k, or unset it (0, false, no, off or none also mean off). "
+            "A DBO model with shared top-k stops at load with this error.",
+        ),
         ({"VLLM_DSA_DBO_CHECK": "off", "VLLM_DSA_DBO_DISABLE": "0"}, True, None, None),
         ({"VLLM_DSA_DBO_CHECK": "Audit", "VLLM_DSA_DBO_DISABLE": "yes"}, False, "audit", None),
     ],
-    ids=["check-bogus", "disable-maybe", "off-spellings", "checker-only"],
+    ids=["check-bogus", "disable-maybe", "layout-rows", "off-spellings", "checker-only"],
 )
 def test_vllm_starts_with_any_env_value(env, patched, checker, logged):
     """vLLM's plugin loader never sees an exception: an unknown value is logged as an

@@ -34,6 +34,12 @@ def _register(logger: logging.Logger) -> None:
         logger.error("vllm-dsa-dbo: %s. The isolation checker stays off.", e)
         check = None
     try:
+        settings.ubatch_layout()
+    except EnvValueError as e:
+        logger.error(
+            "vllm-dsa-dbo: %s. A DBO model with shared top-k stops at load with this error.", e
+        )
+    try:
         mode = settings.disable_mode()
     except EnvValueError as e:
         logger.error("vllm-dsa-dbo: %s. The fix is applied.", e)

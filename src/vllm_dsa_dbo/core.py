@@ -3,7 +3,9 @@ microbatch, its allocation; patches nothing.
 
 A leader layer writes the logical top-k and its index group converts it to physical
 top-k once; follower layers read both later. DBO interleaves the microbatches between
-a leader and its followers, so every microbatch after the first needs its own copy.
+a leader and its followers, so every microbatch after the first needs its own state:
+copies of the buffers, or (layout "offsets") microbatch 0's buffers from the calling
+microbatch's first row in the whole batch, as vLLM's routed-experts capturer does.
 The upstream change has the same parts in vLLM's shape (docs/UPSTREAM.md):
 `topk_state` is `SparseMLAIndexGroup._topk_state()`, `resolve_logical_topk` is
 `ubatch_logical_topk_indices()`, `init_builder_state` / `add_layer_state` are the
@@ -13,12 +15,15 @@ builder's `__init__(..., num_ubatches)` / `_add_ubatch_topk`.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.compiler import is_dynamo_compiling
 from vllm.v1.worker import ubatching
+from vllm.v1.worker.ubatching import dbo_current_ubatch_token_offset
+
+from vllm_dsa_dbo import settings
 
 if TYPE_CHECKING:
     from vllm.v1.attention.backends.mla.index_group import (
@@ -58,27 +63,71 @@ class UbatchTopkState:
         )
 
 
-UBATCH_TOPK_FIELDS = tuple(f.name for f in fields(UbatchTopkState))
+@dataclass
+class UbatchTopkAtOffset:
+    """One extra microbatch's top-k state that converts into microbatch 0's rows from its
+    token offset on. Its valid counts stay its own (kilobytes): from an odd row they
+    would be only 4-byte aligned for the kernels that read them."""
+
+    rows: torch.Tensor
+    valid_topk_counts: torch.Tensor
+    logical_topk_ready: torch.Event
+    physical_topk_ready: torch.Event
+
+    @property
+    def physical_topk_indices(self) -> torch.Tensor:
+        offset = dbo_current_ubatch_token_offset()
+        return self.rows[offset:] if offset else self.rows
+
+    @classmethod
+    def like(cls, group: SparseMLAIndexGroup) -> UbatchTopkAtOffset:
+        """Microbatch 0's rows; counts shaped like its own; events like the group's."""
+        return cls(
+            rows=group.physical_topk_indices,
+            valid_topk_counts=torch.empty_like(group.valid_topk_counts),
+            logical_topk_ready=torch.Event(),
+            physical_topk_ready=torch.Event(),
+        )
+
+
+UBATCH_TOPK_FIELDS = (
+    "physical_topk_indices",
+    "valid_topk_counts",
+    "logical_topk_ready",
+    "physical_topk_ready",
+)
 
 
 @dataclass(eq=False)
 class UbatchLogicalTopk:
-    """The logical top-k buffers of microbatches 1.. that one builder's groups share,
-    allocated at its first follower."""
+    """The logical top-k buffers of microbatches 1.. that one builder's groups share, set
+    at its first follower: copies, or (`at_token_offset`) microbatch 0's buffer itself."""
 
     buffer: torch.Tensor
     num_ubatches: int
     buffers: tuple[torch.Tensor, ...] = ()
+    at_token_offset: bool = False
 
     def allocate(self) -> None:
-        """One buffer shaped like microbatch 0's per extra microbatch, once."""
+        """One buffer per extra microbatch, once, in the layout VLLM_DSA_DBO_LAYOUT names."""
         if not self.buffers:
+            self.at_token_offset = settings.ubatch_layout() == settings.OFFSETS
             extra = range(self.num_ubatches - 1)
-            self.buffers = tuple(torch.empty_like(self.buffer) for _ in extra)
+            if self.at_token_offset:
+                self.buffers = tuple(self.buffer for _ in extra)
+            else:
+                self.buffers = tuple(torch.empty_like(self.buffer) for _ in extra)
+
+    def of_ubatch(self, ubatch_id: int) -> torch.Tensor:
+        """Microbatch `ubatch_id`'s buffer (1..), from its token offset where shared."""
+        buffer = self.buffers[ubatch_id - 1]
+        return buffer[dbo_current_ubatch_token_offset() :] if self.at_token_offset else buffer
 
 
-def topk_state(group: SparseMLAIndexGroup) -> SparseMLAIndexGroup | UbatchTopkState:
-    """The group itself for microbatch 0, else that microbatch's extra copy (groups without
+def topk_state(
+    group: SparseMLAIndexGroup,
+) -> SparseMLAIndexGroup | UbatchTopkState | UbatchTopkAtOffset:
+    """The group itself for microbatch 0, else that microbatch's extra state (groups without
     followers have none: they write and read within one layer, with no yield between)."""
     ubatch_id = current_ubatch_id()
     if ubatch_id == 0 or not group.ubatch_topk_states:
@@ -133,7 +182,7 @@ def resolve_logical_topk(
     extra = group.ubatch_logical_topk
     if extra is None or not extra.buffers or buffer is not extra.buffer:
         return buffer
-    return extra.buffers[ubatch_id - 1]
+    return extra.of_ubatch(ubatch_id)
 
 
 def init_builder_state(builder: SparseMLAIndexGroupBuilder, num_ubatches: int) -> None:
@@ -153,9 +202,12 @@ def add_layer_state(
         group.num_ubatches = builder.num_ubatches
         group.ubatch_logical_topk = builder.ubatch_logical_topk
     elif layer_index == 1 and builder.num_ubatches > 1:
-        extra = range(builder.num_ubatches - 1)
-        group.ubatch_topk_states = tuple(UbatchTopkState.like(group) for _ in extra)
-        builder.ubatch_logical_topk.allocate()
+        logical = builder.ubatch_logical_topk
+        logical.allocate()
+        state_cls = UbatchTopkAtOffset if logical.at_token_offset else UbatchTopkState
+        group.ubatch_topk_states = tuple(
+            state_cls.like(group) for _ in range(builder.num_ubatches - 1)
+        )
 
 
 def thread_registry_mismatch() -> str | None:

@@ -111,7 +111,8 @@ def cpu_vllm() -> Iterator[object]:
 
 def run_dbo_step(step: Callable[[int], None], num_ubatches: int = 2, stream: object = None) -> None:
     """Run `step(ubatch_id)` in vLLM's microbatch threads, as UBatchWrapper does: each in
-    a real `UBatchContext`, where `dbo_yield()` hands over as the MoE's dispatch does.
+    a real `UBatchContext` at its first row of the batch (`TOKENS_PER_UBATCH`), where
+    `dbo_yield()` hands over as the MoE's dispatch does.
     `stream`: the shared compute/comm stream (a CUDA stream on a GPU; a stand-in here)."""
     from vllm import forward_context
     from vllm.config import get_current_vllm_config
@@ -126,6 +127,7 @@ def run_dbo_step(step: Callable[[int], None], num_ubatches: int = 2, stream: obj
         comm_stream=stream,
         forward_contexts=[create_forward_context(None, config) for _ in range(num_ubatches)],
         ready_barrier=barrier,
+        token_offsets=[sum(TOKENS_PER_UBATCH[:i]) for i in range(num_ubatches)],
     )
     errors: list[BaseException] = []
 
@@ -299,14 +301,20 @@ class SharedTopkStack:
     """Sparse MLA layers sharing one top-k builder, as `DeepseekV32Model` builds them;
     `num_ubatches=None` builds them as stock vLLM, whose builder takes no count."""
 
-    def __init__(self, leaders: list[bool], num_ubatches: int | None, device: str = "cpu") -> None:
+    def __init__(
+        self,
+        leaders: list[bool],
+        num_ubatches: int | None,
+        device: str = "cpu",
+        max_decode_rows: int = MAX_DECODE_ROWS,
+    ) -> None:
         self.leaders = leaders
         self.device = device
         self.buffer = torch.full(
             (MAX_NUM_BATCHED_TOKENS, INDEX_TOPK), -1, dtype=torch.int32, device=device
         )
         kwargs = {} if num_ubatches is None else {"num_ubatches": num_ubatches}
-        self.builder = SparseMLAIndexGroupBuilder(self.buffer, MAX_DECODE_ROWS, **kwargs)
+        self.builder = SparseMLAIndexGroupBuilder(self.buffer, max_decode_rows, **kwargs)
         self.impls = [make_impl(self.builder, self.buffer, leads) for leads in leaders]
         self.attns = [
             attention_module(impl, self.buffer) if leads else None

@@ -14,6 +14,11 @@ SUPPORTED_VLLM = " and ".join(RELEASES)
 DISABLE_ENV = "VLLM_DSA_DBO_DISABLE"
 CHECK_ENV = "VLLM_DSA_DBO_CHECK"
 CHECK_MODES = ("raise", "audit")
+LAYOUT_ENV = "VLLM_DSA_DBO_LAYOUT"
+# Where microbatches 1.. keep a group's top-k: copies of their own, or microbatch 0's
+# buffers read at their token offset (being proven: issue #53).
+COPIES = "copies"
+OFFSETS = "offsets"
 # Under "vllm." so that lines carry vLLM's log format and level.
 LOGGER_NAME = "vllm.dsa_dbo"
 
@@ -61,6 +66,12 @@ def disable_mode() -> str | None:
 def check_mode() -> str | None:
     """The isolation checker mode VLLM_DSA_DBO_CHECK asks for; EnvValueError for another value."""
     return env_choice(CHECK_ENV, CHECK_MODES, "turn the checker on")
+
+
+def ubatch_layout() -> str:
+    """The layout VLLM_DSA_DBO_LAYOUT asks for, COPIES when unset; EnvValueError for another."""
+    choice = env_choice(LAYOUT_ENV, (COPIES, OFFSETS), "choose where microbatches 1.. keep top-k")
+    return choice or COPIES
 
 
 def release_of(version: str) -> str | None:

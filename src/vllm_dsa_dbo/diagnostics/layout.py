@@ -550,14 +550,18 @@ def ubatch_topk_bytes_per_extra_ubatch(
     index_topk: int,
     groups_with_followers: int,
     logical_only: bool = False,
+    at_token_offset: bool = False,
 ) -> int:
     """Extra bytes per GPU per extra microbatch, as `core.add_layer_state` allocates (int32):
     the logical buffer, plus per group with followers `max_decode_rows + 1` physical rows
-    and valid counts; `logical_only` (HYV4, ROCm DSA): as `share_ubatch_logical_topk`."""
-    if groups_with_followers == 0:
+    and valid counts; `logical_only` (HYV4, ROCm DSA): as `share_ubatch_logical_topk`;
+    `at_token_offset` (layout "offsets"): the valid counts only."""
+    if groups_with_followers == 0 or (logical_only and at_token_offset):
         return 0
     if logical_only:
         return 4 * max_num_batched_tokens * index_topk
     rows = max_decode_rows + 1
+    if at_token_offset:
+        return 4 * groups_with_followers * rows
     index_bytes = (max_num_batched_tokens + groups_with_followers * rows) * index_topk
     return 4 * (index_bytes + groups_with_followers * rows)

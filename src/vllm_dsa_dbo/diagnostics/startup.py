@@ -20,13 +20,19 @@ if TYPE_CHECKING:
 
 
 def ubatch_topk_bytes(groups: list[SparseMLAIndexGroup]) -> int:
-    """Bytes allocated for extra microbatches across `groups`."""
-    logical = {id(t): t for g in groups for t in extra_logical_topk(g)}
-    tensors = list(logical.values())
+    """Bytes allocated for extra microbatches across `groups`: their tensors, once each, less
+    microbatch 0's that they share (layout "offsets" reads those at a token offset)."""
+    ubatch0 = {
+        id(t)
+        for g in groups
+        for t in (g.logical_topk_indices, g.physical_topk_indices, g.valid_topk_counts)
+    }
+    extra = {id(t): t for g in groups for t in extra_logical_topk(g)}
     for group in groups:
         for state in extra_topk_states(group):
-            tensors += [state.physical_topk_indices, state.valid_topk_counts]
-    return _bytes(tensors)
+            for t in (state.physical_topk_indices, state.valid_topk_counts):
+                extra[id(t)] = t
+    return _bytes([t for key, t in extra.items() if key not in ubatch0])
 
 
 def _bytes(tensors: list[torch.Tensor]) -> int:
