@@ -219,8 +219,13 @@ def test_status_shows_the_env_switches_spelled_off():
             "VLLM_DSA_DBO_DISABLE='maybe' is not understood: "
             "set 1, true, yes, on or stock to turn the fix off",
         ),
+        (
+            {"VLLM_DSA_DBO_LAYOUT": "rows"},
+            "VLLM_DSA_DBO_LAYOUT='rows' is not understood: set copies or offsets to choose "
+            "where microbatches 1.. keep top-k",
+        ),
     ],
-    ids=["check-bogus", "disable-maybe"],
+    ids=["check-bogus", "disable-maybe", "layout-rows"],
 )
 def test_status_unknown_env_value_is_an_error(env, message):
     """Not "fix active" and not "not set": one error naming the value and what it may be."""
@@ -229,6 +234,16 @@ def test_status_unknown_env_value_is_an_error(env, message):
     [error] = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert message in error and "Traceback" not in result.stderr
     assert "NOT understood" in result.stdout and "fix active" not in result.stdout
+
+
+def test_memory_glm53_offsets_keep_only_the_valid_counts():
+    """At token offsets microbatch 1 keeps only its valid counts: G x (max_decode_rows + 1)."""
+    result = cli("memory", "--preset", "glm-5.3", "--layout", "offsets", "--json")
+    report = json.loads(result.stdout)
+    assert report["layout"] == "offsets" and report["bytes_per_extra_ubatch"] == 19 * 1025 * 4
+    text = cli("memory", "--preset", "glm-5.3", VLLM_DSA_DBO_LAYOUT="offsets").stdout
+    assert "physical top-k rows    microbatch 0's, from the token offset: 0" in text
+    assert "1 extra: 77,900 bytes (0.1 MiB)" in text
 
 
 def test_memory_glm53_is_19_groups_216_mib():
@@ -249,7 +264,7 @@ def copied_groups(stack: SharedTopkStack) -> list:
     return [g for g in groups.values() if g.ubatch_topk_states]
 
 
-def test_memory_matches_the_builders_allocation(fake_gpu, tmp_path):
+def test_memory_matches_the_builders_allocation(fake_gpu, tmp_path, layout):
     config = {
         "architectures": ["GlmMoeDsaForCausalLM"],
         "num_hidden_layers": 11,
@@ -273,6 +288,7 @@ def test_memory_matches_the_builders_allocation(fake_gpu, tmp_path):
         "--num-ubatches",
         "3",
         "--json",
+        VLLM_DSA_DBO_LAYOUT=layout,
     )
     report = json.loads(result.stdout)
     assert report["groups_with_followers"] == len(copied)

@@ -33,20 +33,29 @@ from vllm_dsa_dbo import patches
 from vllm_dsa_dbo.patches import mistral_attention
 
 REPO = Path(__file__).resolve().parents[1]
-CORE_TEST = "tests/test_core.py::test_dbo_ubatch_followers_read_their_own_leaders_topk"
-HYV4_TEST = "tests/test_patch_hy_v4.py::test_hy_v4_followers_read_their_own_leaders_topk"
-ROCM_TEST = "tests/test_patch_rocm_dsa.py::test_rocm_dsa_followers_read_their_own_leaders_topk"
-COMPILED_TEST = "tests/test_patch_mla.py::test_compiled_dsa_followers_read_their_own_leaders_topk"
+CORE = "tests/test_core.py::test_dbo_ubatch_followers_read_their_own_leaders_topk"
+# The tests that run in each layout (VLLM_DSA_DBO_LAYOUT), here in the default one.
+CORE_TEST = f"{CORE}[copies]"
+OFFSETS_TEST = f"{CORE}[offsets]"
+HYV4_TEST = "tests/test_patch_hy_v4.py::test_hy_v4_followers_read_their_own_leaders_topk[copies]"
+ROCM_TEST = (
+    "tests/test_patch_rocm_dsa.py::test_rocm_dsa_followers_read_their_own_leaders_topk[copies]"
+)
+COMPILED_TEST = (
+    "tests/test_patch_mla.py::test_compiled_dsa_followers_read_their_own_leaders_topk[copies]"
+)
 V41_TEST = (
     "tests/test_patch_deepseek_v41.py::test_deepseek_v41_reusing_layers_read_their_own_ubatch_state"
 )
 TRACED_TEST = "tests/test_patch_mla.py::test_traced_code_reads_microbatch_0s_group_state"
-UNSET_FIELD_TEST = "tests/test_core.py::test_dbo_ubatch_group_built_without_init_reads_as_stock"
+UNSET_FIELD_TEST = (
+    "tests/test_core.py::test_dbo_ubatch_group_built_without_init_reads_as_stock[copies]"
+)
 BACKENDS = "tests/test_sparse_mla_backends.py"
 BACKEND_TEST = f"{BACKENDS}::test_followers_read_their_own_leaders_topk"
-FA3_TEST = f"{BACKEND_TEST}[FLASH_ATTN_MLA_SPARSE-auto-decode-16h]"
-FLASHMLA_FP8_TEST = f"{BACKEND_TEST}[FLASHMLA_SPARSE-fp8_ds_mla-mixed-16h]"
-SM90_TEST = f"{BACKEND_TEST}[FLASHINFER_MLA_SPARSE_SM90-auto-mixed-16h]"
+FA3_TEST = f"{BACKEND_TEST}[copies-FLASH_ATTN_MLA_SPARSE-auto-decode-16h]"
+FLASHMLA_FP8_TEST = f"{BACKEND_TEST}[copies-FLASHMLA_SPARSE-fp8_ds_mla-mixed-16h]"
+SM90_TEST = f"{BACKEND_TEST}[copies-FLASHINFER_MLA_SPARSE_SM90-auto-mixed-16h]"
 XPU_TEST = f"{BACKENDS}::test_xpu_followers_share_one_buffer_and_are_refused"
 LOADER_TEST = (
     "tests/test_patch_base_loader.py::test_refused_model_is_refused_whichever_loader_builds_it"
@@ -652,7 +661,7 @@ except KeyError:
 
 # Mistral Large 4 came in vLLM 0.34.0: its mutations apply where its patches have a seam.
 MISTRAL = "tests/test_patch_mistral.py"
-MISTRAL_TEST = f"{MISTRAL}::test_mistral_followers_read_their_own_leaders_topk[fused]"
+MISTRAL_TEST = f"{MISTRAL}::test_mistral_followers_read_their_own_leaders_topk[copies-fused]"
 MISTRAL_UNWIRED_TEST = f"{MISTRAL}::test_mistral_leader_with_an_unwired_writer_is_refused"
 MISTRAL_ROCM_TEST = f"{MISTRAL}::test_mistral_paths_left_unfixed_are_refused_at_load[rocm]"
 if patches.matters(mistral_attention.PATCH):
@@ -693,6 +702,38 @@ if patches.matters(mistral_attention.PATCH):
             MISTRAL_ROCM_TEST,
         ),
     }
+
+# The core test in the offsets layout fails under each mutation of its copies-layout run, and
+# under those of the offsets layout's own parts.
+MUTATIONS |= {
+    f"{name} (offsets)": Mutation(m.site, m.old, m.new, OFFSETS_TEST, m.in_string)
+    for name, m in MUTATIONS.items()
+    if m.test == CORE_TEST
+}
+MUTATIONS |= {
+    "offsets: microbatch 1 converts into microbatch 0's rows": edit(
+        "core:UbatchTopkAtOffset.physical_topk_indices", None, "return self.rows", OFFSETS_TEST
+    ),
+    "offsets: microbatch 1 writes and reads microbatch 0's logical rows": edit(
+        "core:UbatchLogicalTopk.of_ubatch",
+        "buffer[dbo_current_ubatch_token_offset():] if self.at_token_offset else buffer",
+        "buffer",
+        OFFSETS_TEST,
+    ),
+    "offsets: microbatch 1 records and waits on microbatch 0's events": edit(
+        "core:UbatchTopkAtOffset.like",
+        None,
+        "return cls(group.physical_topk_indices, torch.empty_like(group.valid_topk_counts), "
+        "group.logical_topk_ready, group.physical_topk_ready)",
+        OFFSETS_TEST,
+    ),
+    "offsets: microbatch 1 shares microbatch 0's valid counts": edit(
+        "core:UbatchTopkAtOffset.like",
+        "valid_topk_counts=torch.empty_like(group.valid_topk_counts)",
+        "valid_topk_counts=group.valid_topk_counts",
+        OFFSETS_TEST,
+    ),
+}
 
 
 def copy_package(root: Path, *mutations: Mutation) -> Path:

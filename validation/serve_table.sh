@@ -11,6 +11,9 @@
 #                             converted top-k per microbatch, logical buffer shared)
 #   mtp_off mtp_stock mtp_fix DBO off / stock / the fix, with MTP speculative decoding (one
 #                             draft token) from the untrained MTP layer `trained mtp` adds
+#   offsets offsets_check     the fix in the offsets layout (VLLM_DSA_DBO_LAYOUT=offsets), the
+#                             second with the checker
+#   mtp3_off mtp3_offsets     DBO off / the offsets layout, with MTP at 3 draft tokens
 #   f1_off f1_stock           the same weights at index_topk_freq=1 (`trained control`)
 #   tree_off tree_fix         DBO off and on in the vLLM tree SERVE_TABLE_TREE names, with only
 #                             the harness loaded: validation/upstream_tests.sh leaves the tree
@@ -31,6 +34,8 @@
 # SERVE_TABLE_LANE=1 moves an arm's ports so that a second script can run beside the first on the
 # same GPU, both with SERVE_TABLE_GPU_UTIL=0.2 (default 0.3). Four lanes at 0.1 left vLLM no KV
 # cache memory (results/2026-12-02-checker-trees).
+# SERVE_TABLE_MAX_TOKENS sets --max-num-batched-tokens (default 4096): at 16384 the copies'
+# logical buffer (32 MiB) shows in vLLM's "Model loading took X GiB" (two decimals).
 # SERVE_TABLE_KV_BYTES sets each engine's KV cache (--kv-cache-memory-bytes) instead of what
 # vLLM's profile leaves of SERVE_TABLE_GPU_UTIL: two ranks profiling on one GPU each count the
 # other's memory, so without it the second rank got 0.75 GiB of 42 on an H200 at 0.3.
@@ -83,16 +88,17 @@ case " $* " in *" f1_"*)
   [ -d "$freq1" ] || PYTHONPATH=$site python3 -m dsa_dbo_harness.trained control \
     "$freq4" "$freq1" || exit 1 ;;
 esac
-case " $* " in *" mtp_"*)
+case " $* " in *" mtp"*)
   [ -d "$mtp" ] || PYTHONPATH=$site python3 -m dsa_dbo_harness.trained mtp "$freq4" "$mtp" || exit 1 ;;
 esac
 flock -u 9
 common=(--data-parallel-size 2 --data-parallel-size-local 1 --data-parallel-address 127.0.0.1
   --data-parallel-rpc-port $((13345 + 100 * lane)) --enable-expert-parallel --all2all-backend "$backend"
   --attention-backend FLASHMLA_SPARSE --block-size 64 --max-model-len 1024 --max-num-seqs 64
-  --max-num-batched-tokens 4096 --seed 0 --gpu-memory-utilization ${SERVE_TABLE_GPU_UTIL:-0.3} "${flags[@]}"
+  --max-num-batched-tokens "${SERVE_TABLE_MAX_TOKENS:-4096}" --seed 0 --gpu-memory-utilization ${SERVE_TABLE_GPU_UTIL:-0.3} "${flags[@]}"
   ${SERVE_TABLE_KV_BYTES:+--kv-cache-memory-bytes "$SERVE_TABLE_KV_BYTES"})
 spec=(--speculative-config '{"method": "mtp", "num_speculative_tokens": 1}')
+spec3=(--speculative-config '{"method": "mtp", "num_speculative_tokens": 3}')
 dbo=(--enable-dbo --dbo-decode-token-threshold 4 --dbo-prefill-token-threshold 64)
 port=$((8101 + lane))
 pids=()
@@ -122,7 +128,7 @@ healthy() {  # ARM: /health within 300 s, or why not
 }
 
 arm() {  # ARM: serve, evaluate, stop
-  local name=$1 model=$freq4 disable="" check="" half="" extra=() path=$site plugins=()
+  local name=$1 model=$freq4 disable="" check="" half="" layout="" extra=() path=$site plugins=()
   case "$name" in
     off_a|off_b) ;;
     stock) disable=stock extra=("${dbo[@]}") ;;
@@ -133,6 +139,10 @@ arm() {  # ARM: serve, evaluate, stop
     mtp_fix) model=$mtp extra=("${spec[@]}" "${dbo[@]}") ;;
     stock_check) disable=stock check=audit extra=("${dbo[@]}") ;;
     fix_check) check=audit extra=("${dbo[@]}") ;;
+    offsets) layout=offsets extra=("${dbo[@]}") ;;
+    offsets_check) layout=offsets check=audit extra=("${dbo[@]}") ;;
+    mtp3_off) model=$mtp extra=("${spec3[@]}") ;;
+    mtp3_offsets) model=$mtp layout=offsets extra=("${spec3[@]}" "${dbo[@]}") ;;
     f1_off) model=$freq1 ;;
     f1_stock) model=$freq1 disable=stock extra=("${dbo[@]}") ;;
     tree_off|tree_fix)
@@ -144,7 +154,7 @@ arm() {  # ARM: serve, evaluate, stop
   echo "## $name"
   echo "$name: vLLM from $(PYTHONPATH=$path python3 -c 'import importlib.util as u; print(u.find_spec("vllm").origin)')"
   local t0=$SECONDS run=(setsid env PYTHONPATH="$path" "${plugins[@]}" VLLM_DSA_DBO_DISABLE="$disable" VLLM_DSA_DBO_CHECK="$check"
-    VLLM_DSA_DBO_HARNESS_HALF_FIX="$half"
+    VLLM_DSA_DBO_HARNESS_HALF_FIX="$half" VLLM_DSA_DBO_LAYOUT="$layout"
     python3 -m vllm.entrypoints.cli.main serve "$model" "${common[@]}" "${extra[@]}")
   "${run[@]}" --port $port --host 127.0.0.1 --api-server-count 1 --disable-uvicorn-access-log > "$out/$name.rank0.log" 2>&1 &
   pids+=($!)

@@ -29,6 +29,7 @@ from dsa_dbo_harness.serve_report import (
     agreeing,
     answers,
     harness_counts,
+    memory,
     merge,
     reference_of,
     runners,
@@ -95,7 +96,16 @@ def test_dbo_off_twice_is_the_floor(table):
     assert_within_floor(table, "off_b")
 
 
-DBO_ARMS = ["stock", "fix", "tree_fix", "half_fix", "mtp_stock", "mtp_fix"]
+DBO_ARMS = [
+    "stock",
+    "fix",
+    "tree_fix",
+    "half_fix",
+    "mtp_stock",
+    "mtp_fix",
+    "offsets",
+    "mtp3_offsets",
+]
 
 
 @pytest.mark.parametrize("name", DBO_ARMS)
@@ -112,9 +122,11 @@ def test_dbo_workers_name_their_runner_and_release(table, name):
     assert len(named) == 2 and len(set(named)) == 1, named
 
 
-def test_the_fix_stays_within_the_floor(table):
-    assert_within_floor(table, "fix")
-    _, row = against_off(table, "fix")
+@pytest.mark.parametrize("name", ["fix", "offsets"])
+def test_the_fix_stays_within_the_floor(table, name):
+    """In each layout of microbatches 1..'s top-k."""
+    assert_within_floor(table, name)
+    _, row = against_off(table, name)
     assert row.mcnemar_p >= 0.05, row
 
 
@@ -134,10 +146,24 @@ def test_without_shared_top_k_stock_dbo_stays_within_the_floor(table):
     assert_within_floor(table, "f1_stock", reference_of(table, "f1_stock"))
 
 
-def test_the_checker_sees_bad_reads_only_without_the_fix(table):
-    stock, fix = counts(table, "stock_check"), counts(table, "fix_check")
+@pytest.mark.parametrize("name", ["fix_check", "offsets_check"])
+def test_the_checker_sees_no_bad_read_with_the_fix(table, name):
+    fix = counts(table, name)
     assert all(reads and bad == 0 for *_, reads, bad in fix), fix
+
+
+def test_the_checker_sees_bad_reads_without_the_fix(table):
+    stock = counts(table, "stock_check")
     assert all(reads and bad for *_, reads, bad in stock), stock
+
+
+def test_the_offsets_layout_allocates_no_topk_buffer(table):
+    """vLLM's model-loading figure in the offsets layout is stock's, and the plugin counts only
+    its valid counts (kilobytes), where the copies take the logical buffer and more."""
+    stock, copies, offsets = (memory(table, arm(table, n)) for n in ("stock", "fix", "offsets"))
+    assert [m["model_loading_gib"] for m in offsets] == [m["model_loading_gib"] for m in stock]
+    assert all(0 < m["plugin_bytes"] < 2**20 for m in offsets), offsets
+    assert all(m["plugin_bytes"] > 2**20 for m in copies), copies
 
 
 def test_the_half_fix_falls_below_the_floor(table):
@@ -150,7 +176,7 @@ def test_the_half_fix_falls_below_the_floor(table):
     assert row.lost > row.gained and row.mcnemar_p < 0.05, row
 
 
-@pytest.mark.parametrize("name", ["mtp_off", "mtp_fix"])
+@pytest.mark.parametrize("name", ["mtp_off", "mtp_fix", "mtp3_off", "mtp3_offsets"])
 def test_mtp_keeps_dbo_offs_answers(table, name):
     """Greedy speculative decoding keeps the model's tokens: with MTP, DBO off and the fix stay
     within the floor of DBO off without it."""

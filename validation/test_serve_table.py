@@ -45,6 +45,11 @@ def test_an_arms_record_names_runner_release_forwards_and_acceptance(tmp_path):
             + line.format(r=rank)
             + "90 microbatched forwards of 120; checker 40 reads, 0 bad; "
             "Model Runner V2, vLLM 0.34.0\n"
+            + line.format(r=rank).replace("dsa_dbo_harness: ", "")
+            + "Model loading took 1.09 GiB memory and 3.1 seconds\n"
+            + line.format(r=rank).replace("dsa_dbo_harness: ", "")
+            + "vllm-dsa-dbo: DeepseekV32Model keeps shared top-k per DBO microbatch: 2 "
+            "microbatches, 2 index groups with followers, 8,655,368 bytes (8.3 MiB) allocated\n"
         )
     (tmp_path / "mtp_fix.metrics.txt").write_text(
         "# HELP vllm:spec_decode_num_draft_tokens_total Number of draft tokens.\n"
@@ -64,4 +69,7 @@ def test_an_arms_record_names_runner_release_forwards_and_acceptance(tmp_path):
         "accepted_tokens": 10.0,
         "acceptance": 10 / 400,
     }
-    assert record(tmp_path, "off_a", "ht")["spec_decode"] is None
+    assert got["memory"] == [{"model_loading_gib": 1.09, "plugin_bytes": 8_655_368}] * 2
+    off = record(tmp_path, "off_a", "ht")
+    assert off["spec_decode"] is None
+    assert off["memory"] == [{"model_loading_gib": None, "plugin_bytes": None}] * 2

@@ -38,6 +38,10 @@ ARMS = (
     "mtp_off",
     "mtp_stock",
     "mtp_fix",
+    "offsets",
+    "offsets_check",
+    "mtp3_off",
+    "mtp3_offsets",
 )
 HARNESS_LINE = re.compile(
     r"dsa_dbo_harness: (\d+) microbatched forwards(?: of (\d+))?"
@@ -46,6 +50,10 @@ HARNESS_LINE = re.compile(
 # What the same line names since vLLM 0.34.0's harness port: the runner and the release.
 RUNNER_LINE = re.compile(r"dsa_dbo_harness: .*?; (V1 runner|Model Runner V2), vLLM (\S+?)[;\s]")
 WORKER_LINE = re.compile(r"dsa_dbo_harness: worker on (V1 runner|Model Runner V2), vLLM (\S+)")
+# vLLM's figure for the memory a model took at load (the plugin's state included), and the
+# plugin's own count of the bytes it allocated.
+LOADING_LINE = re.compile(r"Model loading took (\S+) GiB memory")
+PLUGIN_LINE = re.compile(r"keeps shared top-k per DBO microbatch: .*?, ([\d,]+) bytes")
 SPEC_COUNTERS = {
     "drafts": "vllm:spec_decode_num_drafts_total",
     "draft_tokens": "vllm:spec_decode_num_draft_tokens_total",
@@ -104,6 +112,21 @@ def runners(table: Path, name: str) -> list[tuple[str, str]]:
     return found
 
 
+def memory(table: Path, name: str) -> list[dict[str, float | int | None]]:
+    """Per rank, vLLM's model-loading GiB and the bytes the plugin allocated (None: no line)."""
+    found = []
+    for log in (table / f"{name}.rank{rank}.log" for rank in (0, 1)):
+        text = log.read_text() if log.is_file() else ""
+        loading, plugin = LOADING_LINE.findall(text), PLUGIN_LINE.findall(text)
+        found.append(
+            {
+                "model_loading_gib": float(loading[-1]) if loading else None,
+                "plugin_bytes": int(plugin[-1].replace(",", "")) if plugin else None,
+            }
+        )
+    return found
+
+
 def spec_decode(table: Path, name: str) -> dict[str, float] | None:
     """Speculative decoding's counters from the arm's /metrics (both engines), None without."""
     metrics = table / f"{name}.metrics.txt"
@@ -136,6 +159,7 @@ def record(table: Path, name: str, mode: str) -> dict:
         "runner": sorted({runner for runner, _ in named}) or None,
         "workers": workers,
         "spec_decode": spec_decode(table, name),
+        "memory": memory(table, name),
     }
 
 
@@ -144,8 +168,8 @@ def report(table: Path) -> str:
         "| arm | accuracy ± stderr | answers equal to DBO off | against | lost / gained "
         "| McNemar p "
         "| microbatched forwards per worker | checker: bad of checked reads per worker "
-        "| runner, vLLM | draft acceptance |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| runner, vLLM | draft acceptance | model loading GiB (plugin bytes) per worker |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name in (a for a in ARMS if (table / a).is_dir()):
         reference = reference_of(table, name)
@@ -173,9 +197,14 @@ def report(table: Path) -> str:
             else f"{spec['acceptance']:.3f} ({spec['accepted_tokens']:.0f} of "
             f"{spec['draft_tokens']:.0f})"
         )
+        loaded = ", ".join(
+            f"{m['model_loading_gib']} ({m['plugin_bytes'] or 0:,})"
+            for m in memory(table, name)
+            if m["model_loading_gib"] is not None
+        )
         lines.append(
             f"| {name} | {row.accuracy:.3f} ± {row.stderr:.3f} | {agree} | {against} | {lost} "
-            f"| {p} | {forwards} | {checked} | {named} | {accepted} |"
+            f"| {p} | {forwards} | {checked} | {named} | {accepted} | {loaded or '-'} |"
         )
     return "\n".join(lines)
 

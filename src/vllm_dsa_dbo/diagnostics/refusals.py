@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from vllm_dsa_dbo.ubatch_buffers import stored_buffer, ubatch_copies
@@ -140,7 +141,8 @@ def sparse_mla_backend(module: Any) -> str:
 
 
 def as_ubatch(ubatch_id: int, read: Callable[[], T]) -> T:
-    """`read()` in a thread registered as DBO microbatch `ubatch_id`, as DBO registers its own."""
+    """`read()` in a thread registered as DBO microbatch `ubatch_id`, as DBO registers its own,
+    with a context at token offset `ubatch_id` where none is set (a row of its own)."""
     from vllm.v1.worker import ubatching
 
     found: list[Any] = []
@@ -155,9 +157,17 @@ def as_ubatch(ubatch_id: int, read: Callable[[], T]) -> T:
         finally:
             registry.pop(threading.get_ident(), None)
 
+    contexts = ubatching._CURRENT_CONTEXTS
+    saved = list(contexts)
+    contexts.extend([None] * (ubatch_id + 1 - len(contexts)))
+    if contexts[ubatch_id] is None:
+        contexts[ubatch_id] = SimpleNamespace(token_offset=ubatch_id)
     thread = threading.Thread(target=run, name=f"vllm-dsa-dbo-probe-{ubatch_id}")
-    thread.start()
-    thread.join()
+    try:
+        thread.start()
+        thread.join()
+    finally:
+        contexts[:] = saved
     if isinstance(found[0], BaseException):
         raise found[0]
     return found[0]
