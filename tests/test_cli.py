@@ -148,6 +148,50 @@ def test_status_with_the_fix_off_and_the_checker_on():
     ) in alone.stdout
 
 
+# A second general plugin. Its register() runs after the plugin's (it calls it first, as
+# vLLM may order them) and wraps the getter the fix set on the sparse MLA impls.
+OTHER_PLUGIN = """
+import functools
+
+import vllm_dsa_dbo
+from vllm.model_executor.layers.attention.sparse_mla_attention import SharedTopkIndicesBuffer
+
+
+def register():
+    vllm_dsa_dbo.register()
+    ours = SharedTopkIndicesBuffer.topk_indices_buffer
+
+    @functools.wraps(ours.fget)
+    def theirs(self):
+        return ours.fget(self)
+
+    SharedTopkIndicesBuffer.topk_indices_buffer = property(theirs, ours.fset)
+"""
+
+
+def test_status_check_names_another_plugins_wrapper_over_a_patch(tmp_path):
+    """status --check loads vLLM's general plugins as a vLLM process does, and names what
+    another one set over the fix's patches: the fix is then not known to be in force."""
+    plugin = tmp_path / "other_plugin.py"
+    plugin.write_text(OTHER_PLUGIN)
+    info = tmp_path / "other_plugin-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: other-plugin\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(
+        "[vllm.general_plugins]\nother = other_plugin:register\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp_path), env.get("PYTHONPATH")]))
+    result = fresh.python(["-m", "vllm_dsa_dbo.cli", "status", "--check"], env)
+    out = result.stdout
+    assert result.returncode == 1, out + result.stderr[-3000:]
+    getter = "vllm.model_executor.layers.attention.sparse_mla_attention.SharedTopkIndicesBuffer"
+    line = OTHER_PLUGIN.splitlines().index("    @functools.wraps(ours.fget)") + 1
+    named = f"other code wraps {getter}.topk_indices_buffer (by theirs at {plugin}:{line})"
+    assert f"{named}, which the plugin set" in out, out
+    assert f"fix NOT active: {named}" in out, out
+
+
 @pytest.mark.parametrize(
     "env, reason",
     [

@@ -96,6 +96,13 @@ UPSTREAM_VERSION_TEST = (
 )
 UPSTREAM_DRY_RUN_TEST = f"{UPSTREAM}::test_diff_applies_with_git_and_dry_run_writes_nothing"
 TREE_TEST = f"{UPSTREAM}::test_plugin_in_a_patched_tree_retires_only_what_the_tree_carries"
+WRAPPED_GETTER_TEST = (
+    "tests/test_patch_base_loader.py::test_a_wrapper_over_a_patched_getter_is_named_at_load"
+)
+PARTIAL_TREE_TEST = (
+    "tests/test_upstream_tree_load.py::"
+    "test_a_tree_that_carries_the_change_in_part_fixes_glm5_or_refuses_it_naming_the_rest"
+)
 RECORDS_TEST = "tests/test_patch_records.py::test_every_patch_lists_what_it_sets"
 MODEL_MODULES_TEST = "tests/test_plugin.py::test_model_modules_are_patched_when_vllm_imports_them"
 
@@ -651,10 +658,37 @@ except KeyError:
         "tests/test_patch_base_loader.py::"
         "test_initialize_model_replaced_after_registration_still_checks",
     ),
+    "the load probe reads only getters, not the plain buffer a tree's leaders write": edit(
+        "diagnostics.refusals:resolved_topk",
+        "reads_own_buffer(type(module))",
+        'isinstance(getattr(type(module), "topk_indices_buffer", None), property)',
+        f"{PARTIAL_TREE_TEST}[index_group+sparse_mla_attention+model]",
+    ),
+    "a tree carrying the change in part refused without naming what it lacks": edit(
+        "diagnostics.refusals:lacked_change",
+        "all(found.values()) or not any(found.values())",
+        "True",
+        f"{PARTIAL_TREE_TEST}[index_group]",
+    ),
+    "what the patches set goes unrecorded, so a wrapper over it unnamed": edit(
+        "patches:_apply",
+        "_INSTALLED.setdefault((owner, attribute), []).append(vars(owner).get(attribute))",
+        "pass",
+        WRAPPED_GETTER_TEST,
+    ),
+    "a wrapper over a patch named as a replacement": edit(
+        "patches:_wraps", "return layer is not None", "return False", WRAPPED_GETTER_TEST
+    ),
+    "status --check loads no other plugin, so names none of their wrappers": edit(
+        "cli:print_patches",
+        "if not problems:\n    load_plugins(problems)",
+        "pass",
+        "tests/test_cli.py::test_status_check_names_another_plugins_wrapper_over_a_patch",
+    ),
     "a wrapper over the load-time check goes unnamed": edit(
-        "diagnostics.load_check:wrapped_seams",
-        "inner is not None and current is not inner",
-        "False",
+        "patches:overridden",
+        "any(current is value for value in ours)",
+        "True",
         "tests/test_patch_base_loader.py::test_a_wrapper_over_the_load_check_is_named",
     ),
 }

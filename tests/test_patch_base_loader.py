@@ -258,6 +258,45 @@ def test_a_wrapper_over_the_load_check_is_named(fake_gpu, monkeypatch, caplog):
     assert "Model keeps shared top-k per DBO microbatch: 2 microbatches" in caplog.text
     wrapper = f"theirs at {__file__}:{theirs.__code__.co_firstlineno}"
     assert (
-        "other code wraps the plugin's load-time check at "
-        f"vllm.model_executor.model_loader.utils.initialize_model (by {wrapper})" in caplog.text
+        "other code wraps vllm.model_executor.model_loader.utils.initialize_model "
+        f"(by {wrapper}), which the plugin set" in caplog.text
+    )
+
+
+def test_a_wrapper_over_a_patched_getter_is_named_at_load(fake_gpu, monkeypatch, caplog):
+    """Another plugin's wrapper over the getter the fix set on the sparse MLA impls, put on
+    after register(): the model loads (the fix's getter runs under it), and the log names it."""
+    import functools
+
+    from vllm.config import CompilationMode
+    from vllm.model_executor.layers.attention.sparse_mla_attention import (
+        SharedTopkIndicesBuffer,
+    )
+    from vllm.model_executor.model_loader import utils
+
+    from vllm_dsa_dbo.cpu_dbo import SharedTopkStack, attention_module
+
+    ours = SharedTopkIndicesBuffer.topk_indices_buffer
+
+    @functools.wraps(ours.fget)
+    def theirs(self):
+        return ours.fget(self)
+
+    class Model(nn.Module):
+        def __init__(self, *, vllm_config=None, prefix: str = "") -> None:
+            super().__init__()
+            stack = SharedTopkStack([True, False, False], num_ubatches=None)
+            self.layers = nn.ModuleList(attention_module(i, stack.buffer) for i in stack.impls)
+
+    monkeypatch.setattr(SharedTopkIndicesBuffer, "topk_indices_buffer", property(theirs, ours.fset))
+    monkeypatch.setattr(fake_gpu.parallel_config, "enable_dbo", True)
+    monkeypatch.setattr(fake_gpu.compilation_config, "mode", CompilationMode.NONE)
+    caplog.set_level(logging.INFO, logger="vllm.dsa_dbo")
+    utils.initialize_model(fake_gpu, model_class=Model, model_config=MODEL_CONFIG)
+    assert "Model keeps shared top-k per DBO microbatch: 2 microbatches" in caplog.text
+    getter = "vllm.model_executor.layers.attention.sparse_mla_attention.SharedTopkIndicesBuffer"
+    wrapper = f"theirs at {__file__}:{theirs.__code__.co_firstlineno}"
+    assert (
+        f"other code wraps {getter}.topk_indices_buffer (by {wrapper}), which the plugin set"
+        in caplog.text
     )

@@ -1,6 +1,7 @@
 """The plugin in a vLLM that carries the upstream change, as `vllm-dsa-dbo upstream-patch`
-writes it: GLM-5 loads with and without DBO, its DBO step reads no other microbatch's top-k,
-and the paths the change leaves out are still refused under DBO.
+writes it, whole or in part: GLM-5 loads with and without DBO, and its DBO step reads no other
+microbatch's top-k, or it is refused under DBO by a message that names what the tree lacks;
+the paths the change leaves out are still refused under DBO.
 
 The tree is test_upstream_patch.py's: the released files the change touches, patched, with the
 installed vLLM's others linked in; the run imports vLLM from it, with the plugin registered.
@@ -8,6 +9,7 @@ installed vLLM's others linked in; the run imports vLLM from it, with the plugin
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 from pathlib import Path
 
@@ -16,19 +18,27 @@ import pytest
 import fresh
 import upstream_tree
 import vllm_sdist
-from test_upstream_patch import patched_tree, released  # noqa: F401 (a fixture)
+from test_upstream_patch import (  # noqa: F401 (released: a fixture)
+    DSV32_ATTENTION,
+    INDEX_GROUP,
+    SPARSE_MLA,
+    patched_tree,
+    released,
+    small_tree,
+)
 from vllm_dsa_dbo import upstream
 
+CHANGE = upstream.RELEASES.get(vllm_sdist.VERSION)
 pytestmark = pytest.mark.skipif(
-    upstream.RELEASES.get(vllm_sdist.VERSION) is None,
-    reason=f"the change has no data for vLLM {vllm_sdist.VERSION}",
+    CHANGE is None, reason=f"the change has no data for vLLM {vllm_sdist.VERSION}"
 )
 
-# GLM-5's stack (leader, two followers) built by initialize_model, as the tree's
-# DeepseekV32Model builds it (the run's microbatch count) and as the deepseek_v2 path does
-# (none); the tree's leader writers take the impl's buffer. Then the DBO step.
+# GLM-5's stack (leader, two followers) built by initialize_model; per path (argv: name,
+# whether its model passes the run's microbatch count as the tree's DeepseekV32Model does,
+# whether its leaders' writers take the impl's buffer as the tree's DeepseekV32Attention's
+# do), without and with DBO. Then the DBO step, and which Mistral modules the run imported.
 LOAD_IN_TREE = """
-import logging
+import logging, sys
 logging.basicConfig(level=logging.INFO)
 from vllm_dsa_dbo.demo import use_cpu
 use_cpu()
@@ -38,9 +48,19 @@ import torch.nn as nn
 from types import SimpleNamespace
 from vllm.config import CompilationMode
 from vllm.model_executor.model_loader import utils
+from vllm.v1.attention.backends.mla import index_group
 from vllm.v1.worker.ubatch_utils import get_num_ubatches
 from vllm_dsa_dbo import cpu_dbo
 from vllm_dsa_dbo.cpu_dbo import SharedTopkStack, attention_module
+
+
+def builder(buffer, max_decode_rows, num_ubatches=None):
+    # As the tree's DeepseekV32Model passes the count: third, by position.
+    counted = () if num_ubatches is None else (num_ubatches,)
+    return index_group.SparseMLAIndexGroupBuilder(buffer, max_decode_rows, *counted)
+
+
+cpu_dbo.SparseMLAIndexGroupBuilder = builder
 
 
 class TreeStack(SharedTopkStack):
@@ -52,14 +72,16 @@ class TreeStack(SharedTopkStack):
 stacks = []
 
 
-def model(counted):
+def model(counted, impl_writers):
     class Model(nn.Module):
         def __init__(self, *, vllm_config, prefix=""):
             super().__init__()
             count = get_num_ubatches(vllm_config.parallel_config) if counted else None
-            stacks.append(TreeStack([True, False, False], num_ubatches=count))
+            stack = (TreeStack if impl_writers else SharedTopkStack)([True, False, False], count)
+            stacks.append(stack)
             self.layers = nn.ModuleList(
-                attention_module(i, stacks[-1].buffer) for i in stacks[-1].impls
+                attn or attention_module(impl, stack.buffer)
+                for attn, impl in zip(stack.attns, stack.impls)
             )
 
     return Model
@@ -67,30 +89,34 @@ def model(counted):
 
 with cpu_dbo.cpu_vllm() as config, cpu_dbo.fake_streams():
     config.compilation_config.mode = CompilationMode.NONE
-    for path, counted in (("dsv32", True), ("dsv2", False)):
+    for path in sys.argv[1:]:
+        name, counted, impl_writers = path.split(",")
         for dbo in (False, True):
             config.parallel_config.enable_dbo = dbo
             try:
                 utils.initialize_model(
-                    config, model_class=model(counted), model_config=SimpleNamespace(hf_config=None)
+                    config,
+                    model_class=model(counted == "counted", impl_writers == "impl"),
+                    model_config=SimpleNamespace(hf_config=None),
                 )
-                print("LOADED", path, dbo)
+                print("LOADED", name, dbo)
                 if dbo:
                     reads = stacks[-1].run_step()
-                    print("READS", path, [(r.layer, r.ubatch) for r in reads if not r.ok])
+                    print("READS", name, [(r.layer, r.ubatch) for r in reads if not r.ok])
             except ValueError as e:
-                print("REFUSED", path, dbo, " ".join(str(e).split()))
+                print("REFUSED", name, dbo, " ".join(str(e).split()))
+print("IMPORTED", sorted(m for m in sys.modules if m.startswith("vllm.models.mistral")))
 """
 
 
-def run_in_tree(tree: Path, code: str) -> subprocess.CompletedProcess:
+def run_in_tree(tree: Path, *paths: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in upstream_tree.tree_env(tree).items() if not k.startswith("VLLM_")}
-    return fresh.python(["-c", code], env, cwd=tree)
+    return fresh.python(["-c", LOAD_IN_TREE, *paths], env, cwd=tree)
 
 
 def test_glm5_loads_in_a_patched_tree_with_and_without_dbo(released, tmp_path):  # noqa: F811
     tree = patched_tree(released, tmp_path, link=True)
-    result = run_in_tree(tree, LOAD_IN_TREE)
+    result = run_in_tree(tree, "dsv32,counted,impl", "dsv2,,impl")
     out, log = result.stdout, result.stderr
     assert result.returncode == 0 and "Traceback" not in log, out + log[-3000:]
     assert "LOADED dsv32 False" in out and "LOADED dsv32 True" in out, out
@@ -98,3 +124,50 @@ def test_glm5_loads_in_a_patched_tree_with_and_without_dbo(released, tmp_path): 
     assert "Model keeps shared top-k per DBO microbatch: 2 microbatches" in log
     assert "LOADED dsv2 False" in out
     assert "REFUSED dsv2 True vllm-dsa-dbo: Model shares top-k between layers" in out
+
+
+DSV32_MODEL = "vllm/models/deepseek_v32/nvidia/model.py"
+# The change's files GLM-5's stack runs; the others (vLLM 0.34.0's Mistral Large 4 files) it
+# never imports, as each run checks.
+GLM5_FILES = (INDEX_GROUP, SPARSE_MLA, DSV32_ATTENTION, DSV32_MODEL)
+SOURCES = {p for p in CHANGE.edits if p.startswith("vllm/")} if CHANGE else set()
+PARTS = [
+    pytest.param(part, id="+".join(Path(p).stem for p in part))
+    for n in range(1, len(GLM5_FILES) + 1)
+    for part in itertools.combinations(GLM5_FILES, n)
+    if set(part) != SOURCES
+]
+
+
+@pytest.fixture(scope="module")
+def patched_files(released) -> dict[str, str]:  # noqa: F811
+    """Each file the change touches, as it leaves it."""
+    return {path: new for path, (_, new) in upstream.plan(released).items()}
+
+
+@pytest.mark.parametrize("part", PARTS)
+def test_a_tree_that_carries_the_change_in_part_fixes_glm5_or_refuses_it_naming_the_rest(
+    released,  # noqa: F811
+    patched_files,
+    tmp_path,
+    part,
+):
+    """Each proper subset of the change's files GLM-5 runs: under DBO, either its step reads
+    nothing of the other microbatch, or the load is refused naming each file the tree lacks;
+    without DBO it loads."""
+    tree = small_tree(released, tmp_path, link=True)
+    for path in part:
+        (tree / path).write_text(patched_files[path])
+    model = "counted" if DSV32_MODEL in part else ""
+    writers = "impl" if DSV32_ATTENTION in part else "own"
+    result = run_in_tree(tree, f"dsv32,{model},{writers}")
+    out, log = result.stdout, result.stderr
+    assert result.returncode == 0 and "Traceback" not in log, out + log[-3000:]
+    assert "LOADED dsv32 False" in out and "IMPORTED []" in out, out
+    if "LOADED dsv32 True" in out or set(GLM5_FILES) <= set(part):
+        assert "READS dsv32 []" in out, out
+        return
+    [refusal] = [line for line in out.splitlines() if line.startswith("REFUSED dsv32 True")]
+    assert "carries the upstream change (vllm PR #60734) in part" in refusal, refusal
+    lacked = refusal.partition("it lacks the change to ")[2]
+    assert all(path in lacked for path in set(GLM5_FILES) - set(part)), refusal

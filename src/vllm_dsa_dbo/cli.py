@@ -219,9 +219,11 @@ def unmodified_release() -> bool:
 def print_patches(problems: list[str]) -> None:
     """Each patch, and why it would be left unapplied here; `problems` gets those that are."""
     from vllm_dsa_dbo.diagnostics import isolation, load_check
-    from vllm_dsa_dbo.patches import CARRIED, diagnose, fix_patches, release
+    from vllm_dsa_dbo.patches import CARRIED, diagnose, fix_patches, overridden, release
 
     every = [*fix_patches(), *load_check.PATCHES]
+    if not problems:
+        load_plugins(problems)
     wiring = {} if problems else diagnose(every)
     here = release()
     print("patches:")
@@ -245,6 +247,21 @@ def print_patches(problems: list[str]) -> None:
     if CARRIED:
         own = [name for name, reason in wiring.items() if reason is None and name not in CARRIED]
         print(f"this vLLM carries {', '.join(CARRIED)}; the plugin applies {', '.join(own)}")
+    for line in overridden():
+        print(f"{line}, which the plugin set")
+        problems.append(line)
+
+
+def load_plugins(problems: list[str]) -> None:
+    """vLLM's general plugins, loaded as every vLLM process loads them: what another plugin's
+    register() sets over the fix's patches is then there to name."""
+    from vllm.plugins import load_general_plugins
+
+    try:
+        load_general_plugins()
+    except Exception as e:  # as a vLLM process would stop: reported, not raised
+        print(f"vLLM's general plugins: loading them failed: {type(e).__name__}: {e}")
+        problems.append("a vLLM general plugin fails to load")
 
 
 def print_patch(patch: Patch) -> None:

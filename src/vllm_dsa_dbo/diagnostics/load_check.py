@@ -12,11 +12,10 @@ from typing import Any
 
 from vllm_dsa_dbo import settings
 from vllm_dsa_dbo.guard import refuse_hisparse, takes_vllm_config
-from vllm_dsa_dbo.patches._shared import Patch, replace_function
+from vllm_dsa_dbo.patches import overridden
+from vllm_dsa_dbo.patches._shared import Patch, replace_function, where
 
 _building = threading.local()
-# The checked builds this process installed: what another plugin's wrapper may sit over.
-_CHECKED: list[Callable[..., Any]] = []
 
 
 def checked_build(build: Callable[..., Any]) -> Callable[..., Any]:
@@ -39,30 +38,7 @@ def checked_build(build: Callable[..., Any]) -> Callable[..., Any]:
             check_model(model, vllm_config)
         return model
 
-    _CHECKED.append(checked)
     return checked
-
-
-def _where(function: Any) -> str:
-    """Where `function` is defined: functools.wraps gives a wrapper the wrapped one's names."""
-    code = getattr(function, "__code__", None)
-    if code is None:
-        return repr(function)
-    return f"{code.co_name} at {code.co_filename}:{code.co_firstlineno}"
-
-
-def wrapped_seams() -> list[str]:
-    """Each build seam where other code now sits over the plugin's checked build, and what."""
-    from vllm.model_executor.model_loader import tensorizer, utils
-
-    found = []
-    for module, name in ((utils, "initialize_model"), (tensorizer, "init_tensorizer_model")):
-        current = inner = getattr(module, name)
-        while inner is not None and inner not in _CHECKED:
-            inner = getattr(inner, "__wrapped__", None)
-        if inner is not None and current is not inner:
-            found.append(f"{module.__name__}.{name} (by {_where(current)})")
-    return found
 
 
 def check_model(model: Any, vllm_config: Any) -> None:
@@ -72,16 +48,12 @@ def check_model(model: Any, vllm_config: Any) -> None:
     from vllm_dsa_dbo.diagnostics.refusals import check_wired
     from vllm_dsa_dbo.diagnostics.startup import describe
 
+    for line in overridden():
+        settings.logger().warning("vllm-dsa-dbo: %s, which the plugin set", line)
     check_wired(model, get_num_ubatches(vllm_config.parallel_config))
     line = describe(model)
     if line is not None:
         settings.logger().info(line)
-    for seam in wrapped_seams():
-        settings.logger().warning(
-            "vllm-dsa-dbo: other code wraps the plugin's load-time check at %s; the check ran "
-            "under it",
-            seam,
-        )
 
 
 def checked_build_end(record: Callable[..., Any]) -> Callable[..., Any]:
@@ -100,7 +72,7 @@ def checked_build_end(record: Callable[..., Any]) -> Callable[..., Any]:
                 "vllm-dsa-dbo: %s builds models in place of the plugin's load-time check "
                 "(another plugin replaced initialize_model after register()): the model is "
                 "checked as its build ends",
-                _where(utils.initialize_model),
+                where(utils.initialize_model),
             )
             vllm_config = get_current_vllm_config()
             refuse_hisparse(vllm_config)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import ast
 import functools
+import inspect
+import textwrap
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -177,17 +181,40 @@ def _address(tensor: Any) -> int | None:
     return None if tensor is None else tensor.data_ptr()
 
 
+@functools.cache
+def reads_own_buffer(cls: type) -> bool:
+    """Whether vLLM's code of `cls` reads `self.topk_indices_buffer`, as released leaders'
+    writers do (a property the fix installs, or a plain attribute); a class without source
+    counts as reading it."""
+    for klass in cls.__mro__:
+        if not klass.__module__.startswith("vllm."):
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError, SyntaxError):
+            return True
+        if any(
+            isinstance(node, ast.Attribute)
+            and node.attr == "topk_indices_buffer"
+            and isinstance(node.ctx, ast.Load)
+            and ast.unparse(node.value) == "self"
+            for node in ast.walk(tree)
+        ):
+            return True
+    return False
+
+
 def resolved_topk(model: Any, group: Any) -> dict[str, int | None]:
     """Where the calling microbatch's forward finds `group`'s top-k: each layer's impl getter
-    (the leader's writers and the followers' readers), a leader module's own getter, and the
-    converted state."""
+    (the leader's writers and the followers' readers), a module's own buffer where its code
+    reads it (the leader's writers), and the converted state."""
     found: dict[str, int | None] = {}
     for name, module in model.named_modules():
         impl = getattr(module, "impl", None)
         if getattr(impl, "index_group", None) is not group:
             continue
         found[f"{name}.impl"] = _address(impl.topk_indices_buffer)
-        if isinstance(getattr(type(module), "topk_indices_buffer", None), property):
+        if reads_own_buffer(type(module)):
             found[name] = _address(module.topk_indices_buffer)
     state = getattr(group, "_topk_state", lambda: group)()
     found["physical"] = _address(state.physical_topk_indices)
@@ -209,6 +236,31 @@ def unresolved(model: Any) -> str | None:
         if shared:
             return f"microbatch 1 resolves microbatch 0's top-k at {', '.join(shared)}"
     return None
+
+
+def lacked_change() -> str | None:
+    """What this vLLM lacks of the upstream change where it carries the change in part: the
+    plugin leaves its own patches of the carried parts out, so a refusal names the rest."""
+    import vllm
+
+    from vllm_dsa_dbo import upstream
+    from vllm_dsa_dbo.patches import release
+
+    change = upstream.RELEASES.get(release() or "")
+    if change is None:
+        return None
+    found = upstream.carried(Path(vllm.__file__).parents[1], change)
+    if all(found.values()) or not any(found.values()):
+        return None
+    return (
+        "this vLLM carries the upstream change (vllm PR #60734) in part: it lacks the change "
+        f"to {', '.join(path for path, has in found.items() if not has)}"
+    )
+
+
+def sentence(text: str | None) -> str:
+    """`text`, if any, as a sentence of a longer message."""
+    return f"{text[0].upper()}{text[1:]}. " if text else ""
 
 
 def check_wired(model: Any, num_ubatches: int = 1) -> None:
@@ -251,14 +303,14 @@ def check_wired(model: Any, num_ubatches: int = 1) -> None:
             "DSA path on CUDA). With dual batch "
             "overlap its followers would read the other microbatch's top-k "
             "(where a vllm-dsa-dbo patch was left unapplied, a warning at startup "
-            "and `vllm-dsa-dbo status` say why). "
+            f"and `vllm-dsa-dbo status` say why). {sentence(lacked_change())}"
             "Drop --enable-dbo (and --ubatch-size) for this model."
         )
     if num_ubatches > 1 and (differs := unresolved(model)) is not None:
+        cause = lacked_change() or "something replaced a getter the fix installed (another plugin?)"
         raise ValueError(
             f"vllm-dsa-dbo: {type(model).__name__} shares top-k between layers, but a "
-            f"microbatch-1 thread at load finds that {differs}: something replaced a getter "
-            "the fix installed (another plugin?), and with dual batch overlap its followers "
-            "would read the other microbatch's top-k. Drop --enable-dbo (and --ubatch-size) "
-            "for this model, or the plugin that replaces it."
+            f"microbatch-1 thread at load finds that {differs}: {cause}; with dual batch "
+            "overlap its followers would read the other microbatch's top-k. Drop --enable-dbo "
+            "(and --ubatch-size) for this model, or the plugin that replaces it."
         )

@@ -12,10 +12,11 @@ import importlib
 import pkgutil
 from collections.abc import Iterable
 from types import ModuleType
+from typing import Any
 
 from vllm_dsa_dbo import settings
 from vllm_dsa_dbo.patches._on_import import is_pending, on_first_import
-from vllm_dsa_dbo.patches._shared import Patch, misfit
+from vllm_dsa_dbo.patches._shared import Patch, misfit, where
 
 # The fix's patch modules: every module of this package but the underscored ones.
 NAMES = tuple(sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name[0] != "_"))
@@ -32,6 +33,9 @@ _APPLIED = "_vllm_dsa_dbo_patched"
 _OUTCOMES: dict[str, str | None] = {}
 # The patches this vLLM's own code makes redundant, and what it has in their place.
 CARRIED: dict[str, str] = {}
+# Per (class or module, attribute) a patch set in this process: every value the patches set
+# there, a later patch's over an earlier one's included.
+_INSTALLED: dict[tuple[Any, str], list[Any]] = {}
 
 
 @functools.cache
@@ -153,9 +157,49 @@ def _apply(patch: Patch, by_name: dict[str, Patch], target: ModuleType) -> None:
         if reason is None and patch.name not in CARRIED and patch.name not in applied(target):
             patch.apply(target)
             setattr(target, _APPLIED, (*applied(target), patch.name))
+            for owner, attribute in _symbols(patch, target):
+                _INSTALLED.setdefault((owner, attribute), []).append(vars(owner).get(attribute))
     except Exception as e:  # a vLLM that differs must not break register() or an import
         reason = f"{type(e).__name__}: {e}"
     _settle(patch, reason)
+
+
+def _symbols(patch: Patch, target: ModuleType) -> list[tuple[Any, str]]:
+    """The class or module that holds each symbol `patch` sets on `target`, and its name."""
+    found = []
+    for symbol in patch.replaces:
+        owner, _, attribute = symbol.rpartition(".")
+        found.append((getattr(target, owner) if owner else target, attribute))
+    return found
+
+
+def overridden() -> list[str]:
+    """Each symbol the patches set in this process that other code has since set over them
+    (another plugin's register(), say), by what, and whether the plugin's is still under it."""
+    found = []
+    for (owner, attribute), ours in _INSTALLED.items():
+        current = vars(owner).get(attribute)
+        if any(current is value for value in ours):
+            continue
+        verb = "wraps" if _wraps(current, ours) else "replaces"
+        found.append(f"other code {verb} {_name(owner)}.{attribute} (by {where(current)})")
+    return found
+
+
+def _name(owner: Any) -> str:
+    """A module's or class's dotted name."""
+    if isinstance(owner, type):
+        return f"{owner.__module__}.{owner.__qualname__}"
+    return owner.__name__
+
+
+def _wraps(current: Any, ours: list[Any]) -> bool:
+    """Whether `current` (a function, or a property's getter) wraps one of `ours`, as
+    functools.wraps marks a wrapper."""
+    layer, under = getattr(current, "fget", current), [getattr(v, "fget", v) for v in ours]
+    while layer is not None and not any(layer is value for value in under):
+        layer = getattr(layer, "__wrapped__", None)
+    return layer is not None
 
 
 def _settle(patch: Patch, reason: str | None) -> None:

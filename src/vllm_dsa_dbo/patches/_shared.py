@@ -108,3 +108,12 @@ def unset_attributes(fn: Callable, *names: str) -> str | None:
     code = getattr(inspect.unwrap(fn), "__code__", None)
     missing = [n for n in names if code is None or n not in code.co_names]
     return f"{fn.__qualname__} no longer sets {missing}" if missing else None
+
+
+def where(function: Any) -> str:
+    """Where `function` (or a property's getter) is defined, for a message naming it:
+    functools.wraps gives a wrapper the wrapped one's names, not its code."""
+    code = getattr(getattr(function, "fget", function), "__code__", None)
+    if code is None:
+        return repr(function)
+    return f"{code.co_name} at {code.co_filename}:{code.co_firstlineno}"

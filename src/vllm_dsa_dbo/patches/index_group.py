@@ -77,7 +77,6 @@ def apply(target: ModuleType) -> None:
         self: Any,
         logical_topk_indices: Any,
         max_decode_rows: int | None = None,
-        *,
         num_ubatches: int | None = None,
     ) -> None:
         stock_init(self, logical_topk_indices, max_decode_rows)

@@ -169,6 +169,26 @@ def fitting(root: Path, change: Change) -> int:
     return count
 
 
+def carried(root: Path, change: Change) -> dict[str, bool]:
+    """Per vLLM source file `change` edits, whether `root` holds every statement as the change
+    leaves it: what a vLLM carrying the change in part has of it, file by file."""
+    found = {}
+    for path, statements in change.files.items():
+        if not path.startswith("vllm/"):
+            continue
+        try:
+            lines = read(root, path).splitlines(keepends=True)
+            where = spans("".join(lines))
+        except (PatchRefused, SyntaxError):
+            found[path] = False
+            continue
+        found[path] = all(
+            [digest("".join(lines[first:last])) for first, last in where.get(name, [])] == [changed]
+            for name, (_, changed, _) in statements.items()
+        )
+    return found
+
+
 def release(root: Path) -> Change:
     """The change for the sdist's version; for a git checkout, the one its statements fit."""
     version = sdist_version(root)
