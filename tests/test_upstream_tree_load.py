@@ -10,6 +10,7 @@ installed vLLM's others linked in; the run imports vLLM from it, with the plugin
 from __future__ import annotations
 
 import itertools
+import os
 import subprocess
 from pathlib import Path
 
@@ -21,6 +22,7 @@ import vllm_sdist
 from test_upstream_patch import (  # noqa: F401 (released: a fixture)
     DSV32_ATTENTION,
     INDEX_GROUP,
+    MISTRAL_ATTENTION,
     SPARSE_MLA,
     patched_tree,
     released,
@@ -171,3 +173,56 @@ def test_a_tree_that_carries_the_change_in_part_fixes_glm5_or_refuses_it_naming_
     assert "carries the upstream change (vllm PR #60734) in part" in refusal, refusal
     lacked = refusal.partition("it lacks the change to ")[2]
     assert all(path in lacked for path in set(GLM5_FILES) - set(part)), refusal
+
+
+# Mistral Large 4 (vLLM 0.34.0) built by the loader under DBO, as test_patch_mistral builds it.
+LOAD_MISTRAL = """
+from _pytest.monkeypatch import MonkeyPatch
+from vllm_dsa_dbo.demo import use_cpu
+use_cpu()
+import vllm_dsa_dbo
+vllm_dsa_dbo.register()
+from vllm_dsa_dbo import cpu_dbo
+import test_patch_mistral
+with cpu_dbo.cpu_vllm() as config, MonkeyPatch.context() as monkeypatch:
+    try:
+        test_patch_mistral.build_model(monkeypatch, config, enable_dbo=True, loaded=True)
+        print("LOADED")
+    except ValueError as e:
+        print("REFUSED", " ".join(str(e).split()))
+"""
+MISTRAL_FILES = (
+    "vllm/models/mistral/mistral_large4/nvidia/model.py",
+    MISTRAL_ATTENTION,
+    "vllm/models/mistral/nvidia/indexer.py",
+)
+MISTRAL_PARTS = [
+    pytest.param(part, id="+".join(Path(p).stem for p in part) or "none")
+    for n in range(len(MISTRAL_FILES))
+    for part in itertools.combinations(MISTRAL_FILES, n)
+]
+
+
+@pytest.mark.skipif(not set(MISTRAL_FILES) <= SOURCES, reason="the change has no Mistral files")
+@pytest.mark.parametrize("part", MISTRAL_PARTS)
+def test_a_tree_with_mistral_large_4_in_part_refuses_it_under_dbo(
+    released,  # noqa: F811
+    patched_files,
+    tmp_path,
+    part,
+):
+    """The change's core carried, and of Mistral Large 4's files only `part`: the layers from
+    the files it lacks would not keep their top-k per microbatch, so Mistral is refused under
+    DBO, naming each of those files."""
+    tree = small_tree(released, tmp_path, link=True)
+    for path in (INDEX_GROUP, SPARSE_MLA, *part):
+        (tree / path).write_text(patched_files[path])
+    env = {k: v for k, v in upstream_tree.tree_env(tree).items() if not k.startswith("VLLM_")}
+    env["PYTHONPATH"] += os.pathsep + str(Path(__file__).parent)
+    result = fresh.python(["-c", LOAD_MISTRAL], env, cwd=tree)
+    out = result.stdout
+    assert result.returncode == 0 and "LOADED" not in out, out + result.stderr[-3000:]
+    [refusal] = [line for line in out.splitlines() if line.startswith("REFUSED")]
+    assert "carries the upstream change (vllm PR #60734) in part" in refusal, refusal
+    lacked = refusal.partition("it lacks the change to ")[2]
+    assert all(path in lacked for path in set(MISTRAL_FILES) - set(part)), refusal

@@ -238,9 +238,9 @@ def unresolved(model: Any) -> str | None:
     return None
 
 
-def lacked_change() -> str | None:
-    """What this vLLM lacks of the upstream change where it carries the change in part: the
-    plugin leaves its own patches of the carried parts out, so a refusal names the rest."""
+def lacked_files() -> list[str]:
+    """The upstream change's vLLM files this vLLM lacks where it carries the change in part
+    (none where it carries all of it or none)."""
     import vllm
 
     from vllm_dsa_dbo import upstream
@@ -248,14 +248,35 @@ def lacked_change() -> str | None:
 
     change = upstream.RELEASES.get(release() or "")
     if change is None:
-        return None
+        return []
     found = upstream.carried(Path(vllm.__file__).parents[1], change)
     if all(found.values()) or not any(found.values()):
+        return []
+    return [path for path, has in found.items() if not has]
+
+
+def lacked_change() -> str | None:
+    """What this vLLM lacks of the upstream change where it carries the change in part: the
+    plugin leaves its own patches of the carried parts out, so a refusal names the rest."""
+    lacked = lacked_files()
+    if not lacked:
         return None
     return (
         "this vLLM carries the upstream change (vllm PR #60734) in part: it lacks the change "
-        f"to {', '.join(path for path, has in found.items() if not has)}"
+        f"to {', '.join(lacked)}"
     )
+
+
+def classes_of_lacked_files(model: Any) -> list[str]:
+    """The classes of `model`'s modules that a file of the change this vLLM lacks defines: the
+    plugin's patches of such a class assume its own per-microbatch state, not the tree's."""
+    lacked = set(lacked_files())
+    found = {
+        f"{type(m).__qualname__} ({type(m).__module__})"
+        for m in model.modules()
+        if type(m).__module__.replace(".", "/") + ".py" in lacked
+    }
+    return sorted(found)
 
 
 def sentence(text: str | None) -> str:
@@ -265,6 +286,15 @@ def sentence(text: str | None) -> str:
 
 def check_wired(model: Any, num_ubatches: int = 1) -> None:
     """Refuse DBO for a model whose leaders write the shared top-k elsewhere."""
+    shares = any(reads_another_layers_topk(g) for g in index_groups(model))
+    if num_ubatches > 1 and shares and (classes := classes_of_lacked_files(model)):
+        raise ValueError(
+            f"vllm-dsa-dbo: {type(model).__name__} shares top-k between layers, and "
+            f"{lacked_change()}, which defines {', '.join(classes)}: with dual batch overlap "
+            "those layers would not keep their top-k per microbatch as the rest of the change "
+            "does. Drop --enable-dbo (and --ubatch-size) for this model, or take the whole "
+            "change."
+        )
     if num_ubatches > 1 and (
         ungrouped := [m for m in model.modules() if reads_topk_without_index_group(m)]
     ):
