@@ -360,3 +360,22 @@ def test_getter_replaced_after_register_is_refused_at_load():
         "microbatch 1 resolves microbatch 0's top-k at layers.0.impl, layers.0, layers.1.impl, "
         "layers.1, layers.2.impl, layers.2: something replaced a getter" in out
     )
+
+
+# A second plugin's register() takes the fix's property off DeepseekV32Attention: its leaders'
+# writers then read a plain attribute again, microbatch 0's buffer in every microbatch.
+SECOND_PLUGIN_PLAIN_BUFFER = """
+    from vllm.models.deepseek_v32.attention import DeepseekV32Attention
+    del DeepseekV32Attention.topk_indices_buffer
+"""
+
+
+def test_leader_buffer_made_plain_after_register_is_refused_at_load():
+    """The load check reads the buffer a leader's writers read, property or plain attribute."""
+    result = run_python(CPU_DBO, REGISTER, SECOND_PLUGIN_PLAIN_BUFFER, LOAD_GLM5_STACK)
+    out = result.stdout
+    assert "LOADED False" in out, out + result.stderr[-3000:]
+    assert "REFUSED True vllm-dsa-dbo: Model shares top-k between layers, but a microbatch-1 " in (
+        out
+    )
+    assert "in microbatch 1, its layers' getters resolve different buffers" in out

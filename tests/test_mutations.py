@@ -658,14 +658,14 @@ except KeyError:
         "tests/test_patch_base_loader.py::"
         "test_initialize_model_replaced_after_registration_still_checks",
     ),
-    "the load probe reads only getters, not the plain buffer a tree's leaders write": edit(
+    "the load probe reads only getters, not the plain buffer a leader's writers read": edit(
         "diagnostics.refusals:resolved_topk",
         "reads_own_buffer(type(module))",
         'isinstance(getattr(type(module), "topk_indices_buffer", None), property)',
-        f"{PARTIAL_TREE_TEST}[index_group+sparse_mla_attention+model]",
+        f"{LIVE}::test_leader_buffer_made_plain_after_register_is_refused_at_load",
     ),
     "a tree carrying the change in part refused without naming what it lacks": edit(
-        "diagnostics.refusals:lacked_change",
+        "diagnostics.refusals:lacked_files",
         "all(found.values()) or not any(found.values())",
         "True",
         f"{PARTIAL_TREE_TEST}[index_group]",
