@@ -49,6 +49,24 @@ def test_thread_registry_check(monkeypatch, attribute, replacement, reason):
     assert not ubatching._THREAD_ID_TO_CONTEXT
 
 
+def test_thread_registry_check_reads_through_a_wrapper_of_vllms_enter(monkeypatch):
+    """A wrapper over UBatchContext.__enter__ that calls vLLM's (the harness counts microbatches
+    so) still registers the thread: the check reads the code under functools.wraps."""
+    import functools
+
+    from vllm.v1.attention.backends.mla import index_group as target
+    from vllm.v1.worker import ubatching
+
+    stock = ubatching.UBatchContext.__enter__
+
+    @functools.wraps(stock)
+    def counted(self):
+        return stock(self)
+
+    monkeypatch.setattr(ubatching.UBatchContext, "__enter__", counted)
+    assert index_group.check(target) is None
+
+
 class Builder:
     def __init__(self, logical_topk_indices, max_decode_rows=None) -> None: ...
 

@@ -752,6 +752,12 @@ MUTATIONS |= {
     if m.test == CORE_TEST
 }
 MUTATIONS |= {
+    "the registry check reads a wrapper's code, not vLLM's under it": edit(
+        "core:thread_registry_mismatch",
+        "inspect.unwrap(ubatching.UBatchContext.__enter__)",
+        "ubatching.UBatchContext.__enter__",
+        f"{LIVE}::test_thread_registry_check_reads_through_a_wrapper_of_vllms_enter",
+    ),
     "offsets: microbatch 1 converts into microbatch 0's rows": edit(
         "core:UbatchTopkAtOffset.physical_topk_indices", None, "return self.rows", OFFSETS_TEST
     ),

@@ -14,6 +14,7 @@ builder's `__init__(..., num_ubatches)` / `_add_ubatch_topk`.
 
 from __future__ import annotations
 
+import inspect
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -216,7 +217,8 @@ def thread_registry_mismatch() -> str | None:
     registry = getattr(ubatching, "_THREAD_ID_TO_CONTEXT", None)
     if registry is not _UBATCH_ID_OF_THREAD or not isinstance(registry, dict):
         return "vllm.v1.worker.ubatching._THREAD_ID_TO_CONTEXT is not the dict it was at import"
-    if "_THREAD_ID_TO_CONTEXT" not in ubatching.UBatchContext.__enter__.__code__.co_names:
+    enter = inspect.unwrap(ubatching.UBatchContext.__enter__)
+    if "_THREAD_ID_TO_CONTEXT" not in enter.__code__.co_names:
         return "UBatchContext.__enter__ no longer registers its thread in _THREAD_ID_TO_CONTEXT"
     if registry:  # microbatches running: nothing to probe with
         return None

@@ -19,6 +19,7 @@ half fix (`half_fix.py`). It is never installed with the product.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import sys
@@ -405,6 +406,7 @@ def _count_microbatched_steps() -> None:
 
     stock_enter = ubatching.UBatchContext.__enter__
 
+    @functools.wraps(stock_enter)
     def __enter__(self):
         COUNTS[f"ubatch{self.id}_forwards"] += 1
         return stock_enter(self)
