@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import ast
 import functools
 import hashlib
 import inspect
 import sys
+import textwrap
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -117,3 +119,13 @@ def where(function: Any) -> str:
     if code is None:
         return repr(function)
     return f"{code.co_name} at {code.co_filename}:{code.co_firstlineno}"
+
+
+def source_holds(cls: type, expression: str) -> bool:
+    """Whether `cls`'s code holds `expression` (as ast.unparse writes it): how a vLLM that
+    carries the upstream change is told from a released one; False without source."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError, SyntaxError):
+        return False
+    return any(ast.unparse(node) == expression for node in ast.walk(tree))

@@ -2,22 +2,15 @@
 
 from __future__ import annotations
 
-import ast
-import inspect
-import textwrap
 from types import ModuleType
 from typing import Any
 
-from vllm_dsa_dbo.patches._shared import Patch, call_after_init
+from vllm_dsa_dbo.patches._shared import Patch, call_after_init, source_holds
 
 
 def in_tree(target: ModuleType) -> str | None:
     """vLLM's own attention hands its writers the impl's buffer (vllm PR #60734)."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(target.DeepseekV32Attention)))
-    except (OSError, TypeError, SyntaxError):  # no source to read
-        return None
-    if not any(ast.unparse(n) == "self.impl.topk_indices_buffer" for n in ast.walk(tree)):
+    if not source_holds(target.DeepseekV32Attention, "self.impl.topk_indices_buffer"):
         return None
     return "DeepseekV32Attention's writers take the impl's topk_indices_buffer (vllm PR #60734)"
 
