@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import ast
 import functools
-import inspect
-import textwrap
 import threading
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from vllm_dsa_dbo.patches._shared import class_syntax
 from vllm_dsa_dbo.ubatch_buffers import stored_buffer, ubatch_copies
 
 if TYPE_CHECKING:
@@ -189,9 +188,8 @@ def reads_own_buffer(cls: type) -> bool:
     for klass in cls.__mro__:
         if not klass.__module__.startswith("vllm."):
             continue
-        try:
-            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
-        except (OSError, TypeError, SyntaxError):
+        tree = class_syntax(klass)
+        if tree is None:
             return True
         if any(
             isinstance(node, ast.Attribute)
@@ -238,9 +236,10 @@ def unresolved(model: Any) -> str | None:
     return None
 
 
-def lacked_files() -> list[str]:
+@functools.cache
+def lacked_files() -> tuple[str, ...]:
     """The upstream change's vLLM files this vLLM lacks where it carries the change in part
-    (none where it carries all of it or none)."""
+    (none where it carries all of it or none); read from its files once per process."""
     import vllm
 
     from vllm_dsa_dbo import upstream
@@ -248,11 +247,11 @@ def lacked_files() -> list[str]:
 
     change = upstream.RELEASES.get(release() or "")
     if change is None:
-        return []
+        return ()
     found = upstream.carried(Path(vllm.__file__).parents[1], change)
     if all(found.values()) or not any(found.values()):
-        return []
-    return [path for path, has in found.items() if not has]
+        return ()
+    return tuple(path for path, has in found.items() if not has)
 
 
 def lacked_change() -> str | None:

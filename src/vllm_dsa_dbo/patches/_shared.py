@@ -121,11 +121,16 @@ def where(function: Any) -> str:
     return f"{code.co_name} at {code.co_filename}:{code.co_firstlineno}"
 
 
+def class_syntax(cls: type) -> ast.Module | None:
+    """`cls`'s code as a syntax tree; None where it has no source to read."""
+    try:
+        return ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+
+
 def source_holds(cls: type, expression: str) -> bool:
     """Whether `cls`'s code holds `expression` (as ast.unparse writes it): how a vLLM that
     carries the upstream change is told from a released one; False without source."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    except (OSError, TypeError, SyntaxError):
-        return False
-    return any(ast.unparse(node) == expression for node in ast.walk(tree))
+    tree = class_syntax(cls)
+    return tree is not None and any(ast.unparse(node) == expression for node in ast.walk(tree))
