@@ -34,7 +34,7 @@ def test_bad_mode_or_lane_exits_2_with_a_message(tmp_path, mode, lane, says):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_an_arms_record_names_runner_release_forwards_and_acceptance(tmp_path):
+def test_an_arms_record_names_runner_release_forwards_and_acceptance(tmp_path, monkeypatch):
     line = "(Worker_DP{r}_EP{r} pid=1) INFO 12-05 10:00:00 [__init__.py:1] dsa_dbo_harness: "
     for rank in (0, 1):
         (tmp_path / f"mtp_fix.rank{rank}.log").write_text(
@@ -59,7 +59,11 @@ def test_an_arms_record_names_runner_release_forwards_and_acceptance(tmp_path):
         'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 10.0\n'
         'vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 300.0\n'
     )
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.setenv("VLLM_DSA_DBO_HARNESS_GATES", "0")
     got = record(tmp_path, "mtp_fix", "ht")
+    assert got["env"]["CUDA_VISIBLE_DEVICES"] == "0"
+    assert got["env"]["VLLM_DSA_DBO_HARNESS_GATES"] == "0"
     assert got["vllm_version"] == ["0.34.0"] and got["runner"] == ["Model Runner V2"]
     worker = {"microbatched_forwards": 90, "forwards": 120, "checked_reads": 40, "bad_reads": 0}
     assert got["workers"] == [worker, worker]

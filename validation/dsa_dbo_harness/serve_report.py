@@ -20,6 +20,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+from dsa_dbo_harness.run import RECORDED_ENV
 from vllm_dsa_dbo.ab import compare, load_runs, read_text, samples_file
 
 TASK, FILTER = "kv_lookup", "strict-match"
@@ -160,6 +161,11 @@ def record(table: Path, name: str, mode: str) -> dict:
         "workers": workers,
         "spec_decode": spec_decode(table, name),
         "memory": memory(table, name),
+        # What serve_table.sh exported for every arm: the GPUs both ranks ran on, the vLLM
+        # checks the harness lifted (VLLM_DSA_DBO_HARNESS_GATES=0: none), DeepGEMM off.
+        "env": {
+            k: os.environ[k] for k in ("CUDA_VISIBLE_DEVICES", *RECORDED_ENV) if k in os.environ
+        },
     }
 
 
