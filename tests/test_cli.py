@@ -288,6 +288,8 @@ def test_memory_glm53_offsets_keep_only_the_valid_counts():
     text = cli("memory", "--preset", "glm-5.3", VLLM_DSA_DBO_LAYOUT="offsets").stdout
     assert "physical top-k rows    microbatch 0's, from the token offset: 0" in text
     assert "1 extra: 77,900 bytes (0.1 MiB)" in text
+    bad = cli("memory", "--preset", "glm-5.3", VLLM_DSA_DBO_LAYOUT="rows")
+    assert bad.returncode == 2 and "VLLM_DSA_DBO_LAYOUT='rows' is not understood" in bad.stderr
 
 
 def test_memory_glm53_is_19_groups_216_mib():

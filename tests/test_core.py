@@ -234,3 +234,13 @@ def test_dbo_ubatch_group_built_without_init_reads_as_stock(fake_gpu, monkeypatc
     group.has_indexer, group.logical_topk_ready = True, torch.Event()
     group.set_logical_topk_ready(0)
     assert group.logical_topk_ready.recorded_by == 0
+
+
+def test_dbo_ubatch_unknown_layout_stops_the_build_naming_it(fake_gpu, monkeypatch):
+    """A DBO model with followers is not built in a layout nobody chose."""
+    from vllm_dsa_dbo.settings import EnvValueError
+
+    monkeypatch.setenv(settings.LAYOUT_ENV, "rows")
+    with pytest.raises(EnvValueError, match="VLLM_DSA_DBO_LAYOUT='rows' is not understood"):
+        SharedTopkStack(LEADERS, num_ubatches=2)
+    assert SharedTopkStack(LEADERS, num_ubatches=1).builder.ubatch_logical_topk.buffers == ()
