@@ -143,7 +143,7 @@ def test_hy_v4_followers_read_their_own_leaders_topk(fake_gpu, monkeypatch, layo
 
     assert [(r.layer, r.ubatch) for r in reads if not r.ok] == []
     assert len(reads) == 6 and len(stack.op_buffers) == 4
-    check_wired(model)
+    check_wired(model, 2)
     extra = groups[0].ubatch_logical_topk
     assert len(extra.buffers) == 1 and all(g.ubatch_logical_topk is extra for g in groups)
     allocated = {"copies": "16,384 bytes", "offsets": "0 bytes"}[layout]
@@ -175,4 +175,4 @@ def test_hy_v4_unwired_followers_are_refused(fake_gpu, monkeypatch):
     monkeypatch.setattr(hy_v4_model, "share_ubatch_logical_topk", lambda groups, leaders: None)
     model = build_hyv4_model(monkeypatch, fake_gpu, enable_dbo=True)
     with pytest.raises(ValueError, match="Drop --enable-dbo"):
-        check_wired(model)
+        check_wired(model, 2)

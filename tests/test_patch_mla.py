@@ -49,8 +49,9 @@ def mla_attention(builder, buffer):
 
 
 def build_layers(
-    monkeypatch, vllm_env, num_ubatches: int, platform: str = "cuda"
+    monkeypatch, vllm_env, enable_dbo: bool, platform: str = "cuda"
 ) -> tuple[nn.ModuleList, torch.Tensor]:
+    """The layers, sharing one builder built as deepseek_v2.py builds it: without a count."""
     from vllm.config import CacheConfig
     from vllm.model_executor.layers import mla
     from vllm.model_executor.layers.mla import MLAModules, MultiHeadLatentAttentionWrapper
@@ -60,7 +61,8 @@ def build_layers(
     from vllm_dsa_dbo.patches import mla as mla_patch
 
     buffer = torch.full((MAX_NUM_BATCHED_TOKENS, HF_CONFIG.index_topk), -1, dtype=torch.int32)
-    builder = SparseMLAIndexGroupBuilder(buffer, MAX_DECODE_ROWS, num_ubatches=num_ubatches)
+    monkeypatch.setattr(vllm_env.parallel_config, "enable_dbo", enable_dbo)
+    builder = SparseMLAIndexGroupBuilder(buffer, MAX_DECODE_ROWS)
     monkeypatch.setattr(vllm_env.compilation_config, "static_forward_context", {})
     monkeypatch.setattr(mla, "MLAAttention", mla_attention(builder, buffer))
     monkeypatch.setattr(
@@ -172,7 +174,7 @@ def test_compiled_dsa_followers_read_their_own_leaders_topk(fake_gpu, monkeypatc
     from vllm_dsa_dbo.diagnostics.refusals import check_wired
     from vllm_dsa_dbo.diagnostics.startup import describe
 
-    layers, buffer = build_layers(monkeypatch, fake_gpu, num_ubatches=2)
+    layers, buffer = build_layers(monkeypatch, fake_gpu, enable_dbo=True)
     stack = CompiledStack(layers, buffer, monkeypatch)
 
     reads = stack.run_step()
@@ -181,7 +183,7 @@ def test_compiled_dsa_followers_read_their_own_leaders_topk(fake_gpu, monkeypatc
     assert len(reads) == 8 and len(set(stack.op_buffers)) == 2
     # Every wait is on an event the waiting microbatch recorded.
     assert [(u, by) for u, _, by in FakeStream.waits if u != by] == []
-    check_wired(layers)
+    check_wired(layers, num_ubatches=2)
     assert "2 microbatches, 1 index groups with followers" in describe(layers)
 
 
@@ -189,7 +191,7 @@ def test_compiled_dsa_without_dbo_allocates_nothing(fake_gpu, monkeypatch):
     from vllm_dsa_dbo.diagnostics.refusals import check_wired
     from vllm_dsa_dbo.diagnostics.startup import describe
 
-    layers, _ = build_layers(monkeypatch, fake_gpu, num_ubatches=1)
+    layers, _ = build_layers(monkeypatch, fake_gpu, enable_dbo=False)
     check_wired(layers, num_ubatches=1)
     assert describe(layers) is None
 
@@ -198,35 +200,37 @@ def test_compiled_dsa_off_cuda_is_refused(fake_gpu, monkeypatch):
     """Off CUDA (ROCm) the leader writes through another op: left unwired, refused."""
     from vllm_dsa_dbo.diagnostics.refusals import check_wired
 
-    layers, _ = build_layers(monkeypatch, fake_gpu, num_ubatches=2, platform="rocm")
+    layers, _ = build_layers(monkeypatch, fake_gpu, enable_dbo=True, platform="rocm")
     with pytest.raises(ValueError, match="Drop --enable-dbo"):
-        check_wired(layers)
+        check_wired(layers, num_ubatches=2)
 
 
-def test_traced_code_reads_microbatch_0s_group_state(fake_gpu):
+def test_traced_code_reads_microbatch_0s_group_state(fake_gpu, monkeypatch):
     """vLLM compiles a model on its first forward, which under DBO runs in a
-    microbatch thread: traced reads of the group's state must neither break
-    the graph (fullgraph) on the thread lookup nor pick that microbatch's copy."""
-    from vllm_dsa_dbo.cpu_dbo import SharedTopkStack, run_dbo_step
+    microbatch thread: traced reads of the group's state (through its fields, or the lookup
+    a vLLM carrying the upstream change calls) must neither break the graph (fullgraph) on
+    the thread lookup nor pick that microbatch's copy."""
+    from vllm_dsa_dbo.core import extra_topk_states
+    from vllm_dsa_dbo.cpu_dbo import run_dbo_step
 
-    stack = SharedTopkStack(LEADERS, num_ubatches=2)
-    group = stack.impls[2].index_group
-    ubatch0 = group.valid_topk_counts
+    layers, _ = build_layers(monkeypatch, fake_gpu, enable_dbo=True)
+    group = layers[2].mla_attn.impl.index_group
+    ubatch0 = group._topk_state().valid_topk_counts
     traced = {}
 
     def read(x: torch.Tensor) -> torch.Tensor:
-        return x + group.valid_topk_counts[0]
+        return x + group._topk_state().valid_topk_counts[0] + group.valid_topk_counts[1]
 
     def step(ubatch: int) -> None:
         if ubatch == 1:
             compiled = torch.compile(read, fullgraph=True, backend="eager")
-            ubatch0[0] = 7
-            group.valid_topk_counts[0] = 5
+            ubatch0[:2] = torch.tensor([7, 1])
+            group._topk_state().valid_topk_counts[:2] = 5
             try:
                 traced["value"] = int(compiled(torch.zeros(())))
             except torch._dynamo.exc.Unsupported as e:  # a graph break
                 traced["graph break"] = str(e).splitlines()[0]
 
     run_dbo_step(step)
-    assert group.ubatch_topk_states[0].valid_topk_counts is not ubatch0
-    assert traced == {"value": 7}
+    assert extra_topk_states(group)[0].valid_topk_counts is not ubatch0
+    assert traced == {"value": 8}

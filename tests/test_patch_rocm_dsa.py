@@ -263,7 +263,7 @@ def test_rocm_dsa_followers_read_their_own_leaders_topk(fake_gpu, monkeypatch, l
     assert len(extra.buffers) == 1 and all(g.ubatch_logical_topk is extra for g in groups)
     ubatch1 = ubatch1_logical(extra)
     assert sorted(address(b) == ubatch1 for b in step.op_buffers) == [False, False, True, True]
-    check_wired(model)
+    check_wired(model, 2)
     allocated = {"copies": "16,384 bytes", "offsets": "0 bytes"}[layout]
     assert f"2 microbatches, 2 index groups with followers, {allocated}" in describe(model)
 
@@ -288,7 +288,7 @@ def test_rocm_dsa_unwired_followers_are_refused(fake_gpu, monkeypatch):
     monkeypatch.setattr(rocm_dsa_model, "share_ubatch_logical_topk", lambda groups, leaders: None)
     model = build_rocm_dsa_model(monkeypatch, fake_gpu, enable_dbo=True)
     with pytest.raises(ValueError, match="Drop --enable-dbo"):
-        check_wired(model)
+        check_wired(model, 2)
 
 
 def test_rocm_patches_skipped_off_rocm_when_their_module_cannot_import(monkeypatch):

@@ -1,7 +1,7 @@
 """The plugin in a vLLM that carries the upstream change, as `vllm-dsa-dbo upstream-patch`
 writes it, whole or in part: GLM-5 loads with and without DBO, and its DBO step reads no other
 microbatch's top-k, or it is refused under DBO by a message that names what the tree lacks;
-the paths the change leaves out are still refused under DBO.
+the paths the change leaves out stay fixed by the plugin, on the tree's own state.
 
 The tree is test_upstream_patch.py's: the released files the change touches, patched, with the
 installed vLLM's others linked in; the run imports vLLM from it, with the plugin registered.
@@ -126,6 +126,48 @@ def test_glm5_loads_in_a_patched_tree_with_and_without_dbo(released, tmp_path): 
     assert "Model keeps shared top-k per DBO microbatch: 2 microbatches" in log
     assert "LOADED dsv2 False" in out
     assert "REFUSED dsv2 True vllm-dsa-dbo: Model shares top-k between layers" in out
+
+
+# The plugin's tests of the paths the change leaves out: each builds that path's vLLM classes
+# and runs a DBO step, or refuses the path left unwired; 11 tests with both layouts.
+LEFT_OUT = (
+    "test_patch_mla.py::test_compiled_dsa_followers_read_their_own_leaders_topk",
+    "test_patch_mla.py::test_compiled_dsa_off_cuda_is_refused",
+    "test_patch_mla.py::test_traced_code_reads_microbatch_0s_group_state",
+    "test_patch_hy_v4.py::test_hy_v4_followers_read_their_own_leaders_topk",
+    "test_patch_hy_v4.py::test_hy_v4_unwired_followers_are_refused",
+    "test_patch_rocm_dsa.py::test_rocm_dsa_followers_read_their_own_leaders_topk",
+    "test_patch_rocm_dsa.py::test_rocm_dsa_unwired_followers_are_refused",
+    "test_patch_deepseek_v41.py::test_deepseek_v41_reusing_layers_read_their_own_ubatch_state",
+)
+RUN_TESTS = """
+import sys
+import pytest
+code = pytest.main(sys.argv[1:])
+from vllm_dsa_dbo import patches
+print("CARRIED", sorted(patches.CARRIED))
+print("UNAPPLIED", sorted(name for name, why in patches._OUTCOMES.items() if why))
+sys.exit(code)
+"""
+
+
+def test_the_paths_the_change_leaves_out_stay_fixed_on_the_trees_state(
+    released,  # noqa: F811
+    tmp_path,
+):
+    """In a whole tree, the plugin's tests of the compiled deepseek_v2 path, HYV4, ROCm DSA and
+    DeepSeek-V4.1 pass: each DBO step reads only its own microbatch's top-k, kept in vLLM's own
+    per-microbatch state where the tree keeps it, and each path left unwired is refused."""
+    tree = patched_tree(released, tmp_path, link=True)
+    env = {k: v for k, v in upstream_tree.tree_env(tree).items() if not k.startswith("VLLM_")}
+    here = Path(__file__).parent
+    pytest_args = ["-c", str(here.parent / "pyproject.toml"), "--rootdir", str(here.parent)]
+    pytest_args += ["-n", "0", "-q", "-p", "no:cacheprovider", *(str(here / t) for t in LEFT_OUT)]
+    result = fresh.python(["-c", RUN_TESTS, *pytest_args], env, cwd=tree)
+    out = result.stdout
+    assert result.returncode == 0 and "11 passed" in out, out[-3000:] + result.stderr[-3000:]
+    assert "CARRIED ['deepseek_v32_attention', 'index_group', 'sparse_mla_attention'" in out
+    assert "UNAPPLIED []" in out, out[-3000:]
 
 
 DSV32_MODEL = "vllm/models/deepseek_v32/nvidia/model.py"

@@ -37,6 +37,15 @@ if TYPE_CHECKING:
 _UBATCH_ID_OF_THREAD: dict[int, int] = getattr(ubatching, "_THREAD_ID_TO_CONTEXT", {})
 
 
+def configured_num_ubatches() -> int:
+    """The microbatch count of the config vLLM is building a model for (1 outside one)."""
+    from vllm.config import get_current_vllm_config_or_none
+    from vllm.v1.worker.ubatch_utils import get_num_ubatches
+
+    config = get_current_vllm_config_or_none()
+    return 1 if config is None else get_num_ubatches(config.parallel_config)
+
+
 def current_ubatch_id() -> int:
     """DBO microbatch of the calling thread, 0 for any other (vLLM's own lookup raises)."""
     if not _UBATCH_ID_OF_THREAD:  # no microbatch running: skip the thread lookup
@@ -124,6 +133,14 @@ class UbatchLogicalTopk:
         buffer = self.buffers[ubatch_id - 1]
         return buffer[dbo_current_ubatch_token_offset() :] if self.at_token_offset else buffer
 
+    # A sequence by microbatch id, microbatch 0's first, once allocated: the upstream change's
+    # shape, so that a vLLM carrying it resolves these buffers through its own group's lookup.
+    def __len__(self) -> int:
+        return len(self.buffers) + 1 if self.buffers else 0
+
+    def __getitem__(self, ubatch_id: int) -> torch.Tensor:
+        return self.of_ubatch(ubatch_id) if ubatch_id else self.buffer
+
 
 def topk_state(
     group: SparseMLAIndexGroup,
@@ -134,6 +151,14 @@ def topk_state(
     if ubatch_id == 0 or not group.ubatch_topk_states:
         return group
     return group.ubatch_topk_states[ubatch_id - 1]
+
+
+def extra_topk_states(group: Any) -> list[Any]:
+    """`group`'s converted top-k states for microbatches 1..: the plugin's, or those of a vLLM
+    carrying the upstream change (`ubatch_topk`, microbatch 0's first)."""
+    if hasattr(group, "ubatch_topk"):
+        return list(group.ubatch_topk)[1:]
+    return list(getattr(group, "ubatch_topk_states", ()))
 
 
 class UbatchTopkField:
@@ -176,14 +201,15 @@ def resolve_logical_topk(
 
     A buffer re-pointed elsewhere (the MTP draft's) resolves to itself, and so does that
     of a group whose leader's writers do not ask the impl (they would fill microbatch 0's).
+    The group's buffers are the plugin's or those of a vLLM carrying the upstream change.
     """
     ubatch_id = current_ubatch_id()
-    if ubatch_id == 0 or group is None or not group.leader_writes_follow_impl:
+    if ubatch_id == 0 or not getattr(group, "leader_writes_follow_impl", False):
         return buffer
     extra = group.ubatch_logical_topk
-    if extra is None or not extra.buffers or buffer is not extra.buffer:
+    if not extra or buffer is not extra[0]:
         return buffer
-    return extra.of_ubatch(ubatch_id)
+    return extra[ubatch_id]
 
 
 def init_builder_state(builder: SparseMLAIndexGroupBuilder, num_ubatches: int) -> None:
@@ -265,7 +291,8 @@ def share_ubatch_logical_topk(
     unless several microbatches run, some layer reuses another's top-k, all groups share
     one buffer and every leader's op resolves through its group.
     """
-    if not groups or any(g is None for g in groups) or groups[0].num_ubatches < 2:
+    num_ubatches = configured_num_ubatches()
+    if not groups or any(g is None for g in groups) or num_ubatches < 2:
         return
     buffer = groups[0].logical_topk_indices
     if all(g.has_indexer for g in groups):
@@ -274,7 +301,7 @@ def share_ubatch_logical_topk(
         return
     if not all(hasattr(op, "index_group") for op, _ in leaders):
         return
-    extra = UbatchLogicalTopk(buffer, groups[0].num_ubatches)
+    extra = UbatchLogicalTopk(buffer, num_ubatches)
     extra.allocate()
     for group in groups:
         group.ubatch_logical_topk = extra

@@ -44,13 +44,6 @@ def extra_logical_topk(group: Any) -> list[torch.Tensor]:
     return list(extra.buffers) if hasattr(extra, "buffers") else list(extra)[1:]
 
 
-def extra_topk_states(group: Any) -> list[Any]:
-    """`group`'s converted top-k states for microbatches 1.., either shape."""
-    if hasattr(group, "ubatch_topk"):
-        return list(group.ubatch_topk)[1:]
-    return list(getattr(group, "ubatch_topk_states", ()))
-
-
 def has_logical_copies(group: SparseMLAIndexGroup) -> bool:
     """Whether `group` holds extra microbatches' logical buffers."""
     return bool(extra_logical_topk(group))
@@ -75,13 +68,17 @@ def left_shared(group: Any, num_ubatches: int) -> bool:
     """`shares_topk_across_ubatches`, also for a group built for fewer microbatches than the
     run has (vLLM's own, index_group unapplied, or a builder given a smaller count).
 
-    A group of a vLLM that carries the upstream change keeps its state in
-    `ubatch_topk`, one entry per microbatch, and its writers always follow the impl."""
-    if hasattr(group, "ubatch_topk"):  # without DBO it holds none: nothing to refuse
-        return (
-            num_ubatches > 1
-            and reads_another_layers_topk(group)
-            and len(group.ubatch_topk) < num_ubatches
+    A vLLM that carries the upstream change keeps a group's state in `ubatch_topk`, one entry
+    per microbatch, where its model passed the count: its own fixed writers', or those the
+    mla patch wires. A follower's private group (HYV4, ROCm DSA) needs only logical copies
+    its leader's writers resolve, in either form."""
+    if hasattr(group, "ubatch_topk"):
+        if num_ubatches < 2 or not reads_another_layers_topk(group):
+            return False
+        if group.num_layers > 1:
+            return len(group.ubatch_topk) < num_ubatches
+        return len(extra_logical_topk(group)) + 1 < num_ubatches or not getattr(
+            group, "leader_writes_follow_impl", False
         )
     if getattr(group, "num_ubatches", 1) < num_ubatches:
         return reads_another_layers_topk(group)

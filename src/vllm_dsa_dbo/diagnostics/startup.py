@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from vllm_dsa_dbo.core import extra_topk_states
 from vllm_dsa_dbo.diagnostics.refusals import (
     extra_logical_topk,
-    extra_topk_states,
     followed_groups,
     has_logical_copies,
     index_groups,

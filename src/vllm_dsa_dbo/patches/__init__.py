@@ -33,6 +33,9 @@ _APPLIED = "_vllm_dsa_dbo_patched"
 _OUTCOMES: dict[str, str | None] = {}
 # The patches this vLLM's own code makes redundant, and what it has in their place.
 CARRIED: dict[str, str] = {}
+# The per-microbatch state and its lookup: the upstream change's core, in vLLM's form or the
+# plugin's. The paths the change leaves out work on top of either, not on a mix.
+CORE = {"index_group", "sparse_mla_attention"}
 # Per (class or module, attribute) a patch set in this process: every value the patches set
 # there, a later patch's over an earlier one's included.
 _INSTALLED: dict[tuple[Any, str], list[Any]] = {}
@@ -81,11 +84,12 @@ def _outcome(patch: Patch, target: ModuleType, known: dict[str, str | None]) -> 
     if patch.name in applied(target):
         return None
     needs = [f"{r}, left unapplied" for r in patch.requires if known[r] is not None]
-    # vLLM's own form of a patch is not the one the patches needing it were written against.
+    # Patches built on the core work on top of vLLM's own form of it, whole; of any other
+    # patch, vLLM's own form is not the one the patches needing it were written against.
     needs += [
         f"the plugin's {r}, which this vLLM carries in its own form"
         for r in patch.requires
-        if r in CARRIED
+        if r in CARRIED and not (r in CORE and CORE <= CARRIED.keys())
     ]
     if needs:
         return "needs " + "; ".join(needs)

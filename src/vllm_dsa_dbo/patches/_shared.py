@@ -66,6 +66,20 @@ def misfit(patch: Patch, target: ModuleType, release: str) -> str | None:
     return None
 
 
+def _impl_buffer(layer: Any) -> Any:
+    return layer.impl.topk_indices_buffer
+
+
+def _set_impl_buffer(layer: Any, buffer: Any) -> None:
+    layer.impl.topk_indices_buffer = buffer
+
+
+# A layer's `topk_indices_buffer`, read and assigned through its sparse MLA impl's: the layer's
+# writers take the buffer its impl resolves per microbatch, and the MTP proposer's re-pointing
+# reaches the impl.
+IMPL_TOPK_INDICES_BUFFER = property(_impl_buffer, _set_impl_buffer)
+
+
 def call_after_init(cls: type, hook: Callable[[Any], None]) -> None:
     """Run `hook(instance)` after `cls.__init__`, keeping its signature."""
     stock_init = cls.__init__

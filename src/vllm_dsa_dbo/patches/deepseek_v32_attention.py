@@ -5,7 +5,12 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from vllm_dsa_dbo.patches._shared import Patch, call_after_init, source_holds
+from vllm_dsa_dbo.patches._shared import (
+    IMPL_TOPK_INDICES_BUFFER,
+    Patch,
+    call_after_init,
+    source_holds,
+)
 
 
 def in_tree(target: ModuleType) -> str | None:
@@ -13,14 +18,6 @@ def in_tree(target: ModuleType) -> str | None:
     if not source_holds(target.DeepseekV32Attention, "self.impl.topk_indices_buffer"):
         return None
     return "DeepseekV32Attention's writers take the impl's topk_indices_buffer (vllm PR #60734)"
-
-
-def _get(self: Any) -> Any:
-    return self.impl.topk_indices_buffer
-
-
-def _set(self: Any, buffer: Any) -> None:
-    self.impl.topk_indices_buffer = buffer
 
 
 def mark_wired(attention: Any) -> None:
@@ -31,7 +28,7 @@ def mark_wired(attention: Any) -> None:
 
 
 def apply(target: ModuleType) -> None:
-    target.DeepseekV32Attention.topk_indices_buffer = property(_get, _set)
+    target.DeepseekV32Attention.topk_indices_buffer = IMPL_TOPK_INDICES_BUFFER
     call_after_init(target.DeepseekV32Attention, mark_wired)
 
 

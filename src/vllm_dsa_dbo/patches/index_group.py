@@ -10,14 +10,6 @@ from vllm_dsa_dbo import core
 from vllm_dsa_dbo.patches._shared import Patch
 
 
-def _default_num_ubatches() -> int:
-    from vllm.config import get_current_vllm_config_or_none
-    from vllm.v1.worker.ubatch_utils import get_num_ubatches
-
-    config = get_current_vllm_config_or_none()
-    return 1 if config is None else get_num_ubatches(config.parallel_config)
-
-
 def in_tree(target: ModuleType) -> str | None:
     """vLLM's own PR #60734 builder: it keeps per-microbatch state only where a model
     passes num_ubatches (DeepseekV32Model on CUDA), and starts every group wired."""
@@ -81,7 +73,7 @@ def apply(target: ModuleType) -> None:
     ) -> None:
         stock_init(self, logical_topk_indices, max_decode_rows)
         core.init_builder_state(
-            self, _default_num_ubatches() if num_ubatches is None else num_ubatches
+            self, core.configured_num_ubatches() if num_ubatches is None else num_ubatches
         )
 
     def register_layer(

@@ -109,7 +109,7 @@ PATCH = Patch(
         "is the buffer choice at the top of sparse_attn_indexer()"
     ),
     remove_when="a vLLM release that keeps the compiled DSA path's top-k per microbatch",
-    requires=("index_group",),
+    requires=("index_group", "sparse_mla_attention"),
     apply=apply,
     check=check,
 )
