@@ -18,6 +18,7 @@
 #   tree_off tree_fix         DBO off and on in the vLLM tree SERVE_TABLE_TREE names, with only
 #                             the harness loaded: validation/upstream_tests.sh leaves the tree
 #                             `upstream-patch` made at /tmp/vllm-dsa-dbo-trees/patched/vllm-0.33.0
+#   tree_plugin               DBO on in that tree with the plugin loaded too
 #   validation/serve_table.sh OUTDIR ht|ll ARM...
 #     ht: deepep_high_throughput, eager, fp8 KV cache, prefix caching
 #     ll: deepep_low_latency, FULL_DECODE_ONLY CUDA graphs, fp8 KV cache (with the harness's one
@@ -145,10 +146,11 @@ arm() {  # ARM: serve, evaluate, stop
     mtp3_offsets) model=$mtp layout=offsets extra=("${spec3[@]}" "${dbo[@]}") ;;
     f1_off) model=$freq1 ;;
     f1_stock) model=$freq1 disable=stock extra=("${dbo[@]}") ;;
-    tree_off|tree_fix)
+    tree_off|tree_fix|tree_plugin)
       [ -f "${SERVE_TABLE_TREE:-}/vllm/__init__.py" ] || { echo "$name: SERVE_TABLE_TREE names no vLLM tree"; return 1; }
       path=$SERVE_TABLE_TREE:$site plugins=(VLLM_PLUGINS=dsa_dbo_harness)
-      [ "$name" = tree_fix ] && extra=("${dbo[@]}") ;;
+      [ "$name" = tree_plugin ] && plugins=(VLLM_PLUGINS=dsa_dbo,dsa_dbo_harness)
+      [ "$name" != tree_off ] && extra=("${dbo[@]}") ;;
     *) echo "unknown arm $name"; return 1 ;;
   esac
   echo "## $name"

@@ -100,6 +100,7 @@ DBO_ARMS = [
     "stock",
     "fix",
     "tree_fix",
+    "tree_plugin",
     "half_fix",
     "mtp_stock",
     "mtp_fix",
@@ -130,9 +131,10 @@ def test_the_fix_stays_within_the_floor(table, name):
     assert row.mcnemar_p >= 0.05, row
 
 
-def test_the_upstream_change_stays_within_the_floor(table):
-    """vLLM carrying `upstream-patch`'s change, without the plugin, DBO on."""
-    assert_within_floor(table, "tree_fix")
+@pytest.mark.parametrize("name", ["tree_fix", "tree_plugin"])
+def test_the_upstream_change_stays_within_the_floor(table, name):
+    """vLLM carrying `upstream-patch`'s change, DBO on: alone, and with the plugin."""
+    assert_within_floor(table, name)
 
 
 def test_stock_dbo_loses_answers(table):

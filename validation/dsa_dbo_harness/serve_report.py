@@ -35,6 +35,7 @@ ARMS = (
     "f1_stock",
     "tree_off",
     "tree_fix",
+    "tree_plugin",
     "half_fix",
     "mtp_off",
     "mtp_stock",
