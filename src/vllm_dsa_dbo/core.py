@@ -207,9 +207,11 @@ def resolve_logical_topk(
     if ubatch_id == 0 or not getattr(group, "leader_writes_follow_impl", False):
         return buffer
     extra = group.ubatch_logical_topk
-    if not extra or buffer is not extra[0]:
+    if type(extra) is not UbatchLogicalTopk:  # vLLM's own list, microbatch 0's first
+        return extra[ubatch_id] if extra and buffer is extra[0] else buffer
+    if not extra.buffers or buffer is not extra.buffer:
         return buffer
-    return extra[ubatch_id]
+    return extra.of_ubatch(ubatch_id)
 
 
 def init_builder_state(builder: SparseMLAIndexGroupBuilder, num_ubatches: int) -> None:
