@@ -226,12 +226,15 @@ import vllm_dsa_dbo
 vllm_dsa_dbo.register()
 from vllm_dsa_dbo import cpu_dbo
 import test_patch_mistral
-with cpu_dbo.cpu_vllm() as config, MonkeyPatch.context() as monkeypatch:
+with cpu_dbo.cpu_vllm() as config, MonkeyPatch.context() as monkeypatch, cpu_dbo.fake_streams():
     try:
-        test_patch_mistral.build_model(monkeypatch, config, enable_dbo=True, loaded=True)
+        model = test_patch_mistral.build_model(monkeypatch, config, enable_dbo=True, loaded=True)
         print("LOADED")
     except ValueError as e:
         print("REFUSED", " ".join(str(e).split()))
+    else:
+        reads = test_patch_mistral.MistralStack(model, monkeypatch).run_step()
+        print("READS", len(reads), [(r.layer, r.ubatch) for r in reads if not r.ok])
 """
 MISTRAL_FILES = (
     "vllm/models/mistral/mistral_large4/nvidia/model.py",
@@ -243,6 +246,25 @@ MISTRAL_PARTS = [
     for n in range(len(MISTRAL_FILES))
     for part in itertools.combinations(MISTRAL_FILES, n)
 ]
+
+
+def run_mistral_in_tree(tree: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in upstream_tree.tree_env(tree).items() if not k.startswith("VLLM_")}
+    env["PYTHONPATH"] += os.pathsep + str(Path(__file__).parent)
+    return fresh.python(["-c", LOAD_MISTRAL], env, cwd=tree)
+
+
+@pytest.mark.skipif(not set(MISTRAL_FILES) <= SOURCES, reason="the change has no Mistral files")
+def test_a_whole_tree_runs_mistral_large_4_under_dbo_reading_its_own_topk(
+    released,  # noqa: F811
+    tmp_path,
+):
+    """The whole change carried: Mistral Large 4 loads under DBO with the plugin, and its DBO
+    step reads only its own microbatch's top-k, kept by the tree's own code."""
+    result = run_mistral_in_tree(patched_tree(released, tmp_path, link=True))
+    out = result.stdout
+    assert result.returncode == 0 and "LOADED" in out, out + result.stderr[-3000:]
+    assert "READS 8 []" in out, out
 
 
 @pytest.mark.skipif(not set(MISTRAL_FILES) <= SOURCES, reason="the change has no Mistral files")
@@ -259,9 +281,7 @@ def test_a_tree_with_mistral_large_4_in_part_refuses_it_under_dbo(
     tree = small_tree(released, tmp_path, link=True)
     for path in (INDEX_GROUP, SPARSE_MLA, *part):
         (tree / path).write_text(patched_files[path])
-    env = {k: v for k, v in upstream_tree.tree_env(tree).items() if not k.startswith("VLLM_")}
-    env["PYTHONPATH"] += os.pathsep + str(Path(__file__).parent)
-    result = fresh.python(["-c", LOAD_MISTRAL], env, cwd=tree)
+    result = run_mistral_in_tree(tree)
     out = result.stdout
     assert result.returncode == 0 and "LOADED" not in out, out + result.stderr[-3000:]
     [refusal] = [line for line in out.splitlines() if line.startswith("REFUSED")]
