@@ -264,8 +264,8 @@ def lacked_change() -> str | None:
 
 
 def classes_of_lacked_files(model: Any) -> list[str]:
-    """The classes of `model`'s modules that a file of the change this vLLM lacks defines: the
-    plugin's patches of such a class assume its own per-microbatch state, not the tree's."""
+    """The classes of `model`'s modules that a file of the change this vLLM lacks defines: a
+    mix of the tree's change and the plugin's patches of such a class is refused, not trusted."""
     lacked = set(lacked_files())
     found = {
         f"{type(m).__qualname__} ({type(m).__module__})"
@@ -286,10 +286,10 @@ def check_wired(model: Any, num_ubatches: int = 1) -> None:
     if num_ubatches > 1 and shares and (classes := classes_of_lacked_files(model)):
         raise ValueError(
             f"vllm-dsa-dbo: {type(model).__name__} shares top-k between layers, and "
-            f"{lacked_change()}, which defines {', '.join(classes)}: with dual batch overlap "
-            "those layers would not keep their top-k per microbatch as the rest of the change "
-            "does. Drop --enable-dbo (and --ubatch-size) for this model, or take the whole "
-            "change."
+            f"{lacked_change()}, which defines {', '.join(classes)}: the plugin does not vouch "
+            "that, with dual batch overlap, those layers keep their top-k per microbatch as the "
+            "rest of the change does. Drop --enable-dbo (and --ubatch-size) for this model, or "
+            "take the whole change."
         )
     if num_ubatches > 1 and (
         ungrouped := [m for m in model.modules() if reads_topk_without_index_group(m)]
