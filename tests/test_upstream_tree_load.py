@@ -117,15 +117,18 @@ def run_in_tree(tree: Path, *paths: str) -> subprocess.CompletedProcess:
 
 
 def test_glm5_loads_in_a_patched_tree_with_and_without_dbo(released, tmp_path):  # noqa: F811
+    """GLM-5 loads with and without DBO in a whole tree and reads only its own microbatch's
+    top-k; a model whose builder nothing gives the count, and whose leaders nothing wires,
+    loads without DBO and is refused with it."""
     tree = patched_tree(released, tmp_path, link=True)
-    result = run_in_tree(tree, "dsv32,counted,impl", "dsv2,,impl")
+    result = run_in_tree(tree, "dsv32,counted,impl", "uncounted,,impl")
     out, log = result.stdout, result.stderr
     assert result.returncode == 0 and "Traceback" not in log, out + log[-3000:]
     assert "LOADED dsv32 False" in out and "LOADED dsv32 True" in out, out
     assert "READS dsv32 []" in out, out
     assert "Model keeps shared top-k per DBO microbatch: 2 microbatches" in log
-    assert "LOADED dsv2 False" in out
-    assert "REFUSED dsv2 True vllm-dsa-dbo: Model shares top-k between layers" in out
+    assert "LOADED uncounted False" in out
+    assert "REFUSED uncounted True vllm-dsa-dbo: Model shares top-k between layers" in out
 
 
 # The plugin's tests of the paths the change leaves out: each builds that path's vLLM classes
