@@ -22,7 +22,7 @@ import re
 import shutil
 import tempfile
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -153,19 +153,25 @@ def digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def statement_digests(root: Path, path: str, names: Iterable[str]) -> dict[str, list[str]] | None:
+    """The sha256 of each top-level statement named in `names` in `root`'s file at `path`, per
+    name (one per place it occurs); None where the file cannot be read or parsed."""
+    try:
+        lines = read(root, path).splitlines(keepends=True)
+        found = spans("".join(lines))
+    except (PatchRefused, SyntaxError):
+        return None
+    return {n: [digest("".join(lines[a:b])) for a, b in found.get(n, [])] for n in names}
+
+
 def fitting(root: Path, change: Change) -> int:
     """How many of the statements `change` edits are in `root` as in its release, or as
     it leaves them."""
     count = 0
     for path, statements in change.files.items():
-        try:
-            lines = read(root, path).splitlines(keepends=True)
-            found = spans("".join(lines))
-        except (PatchRefused, SyntaxError):
-            continue
+        found = statement_digests(root, path, statements) or {}
         for name, (original, changed, _) in statements.items():
-            for first, last in found.get(name, []):
-                count += digest("".join(lines[first:last])) in (original, changed)
+            count += sum(d in (original, changed) for d in found.get(name, []))
     return count
 
 
@@ -174,18 +180,11 @@ def carried(root: Path, change: Change) -> dict[str, bool]:
     leaves it: what a vLLM carrying the change in part has of it, file by file."""
     found = {}
     for path, statements in change.files.items():
-        if not path.startswith("vllm/"):
-            continue
-        try:
-            lines = read(root, path).splitlines(keepends=True)
-            where = spans("".join(lines))
-        except (PatchRefused, SyntaxError):
-            found[path] = False
-            continue
-        found[path] = all(
-            [digest("".join(lines[first:last])) for first, last in where.get(name, [])] == [changed]
-            for name, (_, changed, _) in statements.items()
-        )
+        if path.startswith("vllm/"):
+            digests = statement_digests(root, path, statements)
+            found[path] = digests is not None and all(
+                digests[name] == [changed] for name, (_, changed, _) in statements.items()
+            )
     return found
 
 
