@@ -111,9 +111,11 @@ print("IMPORTED", sorted(m for m in sys.modules if m.startswith("vllm.models.mis
 """
 
 
-def run_in_tree(tree: Path, *paths: str) -> subprocess.CompletedProcess:
+def run_in_tree(tree: Path, script: str, *args: str) -> subprocess.CompletedProcess:
+    """`python -c script args` importing vLLM from `tree`, the plugin's tests importable."""
     env = {k: v for k, v in upstream_tree.tree_env(tree).items() if not k.startswith("VLLM_")}
-    return fresh.python(["-c", LOAD_IN_TREE, *paths], env, cwd=tree)
+    env["PYTHONPATH"] += os.pathsep + str(Path(__file__).parent)
+    return fresh.python(["-c", script, *args], env, cwd=tree)
 
 
 def test_glm5_loads_in_a_patched_tree_with_and_without_dbo(released, tmp_path):  # noqa: F811
@@ -121,7 +123,7 @@ def test_glm5_loads_in_a_patched_tree_with_and_without_dbo(released, tmp_path): 
     top-k; a model whose builder nothing gives the count, and whose leaders nothing wires,
     loads without DBO and is refused with it."""
     tree = patched_tree(released, tmp_path, link=True)
-    result = run_in_tree(tree, "dsv32,counted,impl", "uncounted,,impl")
+    result = run_in_tree(tree, LOAD_IN_TREE, "dsv32,counted,impl", "uncounted,,impl")
     out, log = result.stdout, result.stderr
     assert result.returncode == 0 and "Traceback" not in log, out + log[-3000:]
     assert "LOADED dsv32 False" in out and "LOADED dsv32 True" in out, out
@@ -162,11 +164,10 @@ def test_the_paths_the_change_leaves_out_stay_fixed_on_the_trees_state(
     DeepSeek-V4.1 pass: each DBO step reads only its own microbatch's top-k, kept in vLLM's own
     per-microbatch state where the tree keeps it, and each path left unwired is refused."""
     tree = patched_tree(released, tmp_path, link=True)
-    env = {k: v for k, v in upstream_tree.tree_env(tree).items() if not k.startswith("VLLM_")}
     here = Path(__file__).parent
     pytest_args = ["-c", str(here.parent / "pyproject.toml"), "--rootdir", str(here.parent)]
     pytest_args += ["-n", "0", "-q", "-p", "no:cacheprovider", *(str(here / t) for t in LEFT_OUT)]
-    result = fresh.python(["-c", RUN_TESTS, *pytest_args], env, cwd=tree)
+    result = run_in_tree(tree, RUN_TESTS, *pytest_args)
     out = result.stdout
     assert result.returncode == 0 and "11 passed" in out, out[-3000:] + result.stderr[-3000:]
     assert "CARRIED ['deepseek_v32_attention', 'index_group', 'sparse_mla_attention'" in out
@@ -207,7 +208,7 @@ def test_a_tree_that_carries_the_change_in_part_fixes_glm5_or_refuses_it_naming_
         (tree / path).write_text(patched_files[path])
     model = "counted" if DSV32_MODEL in part else ""
     writers = "impl" if DSV32_ATTENTION in part else "own"
-    result = run_in_tree(tree, f"dsv32,{model},{writers}")
+    result = run_in_tree(tree, LOAD_IN_TREE, f"dsv32,{model},{writers}")
     out, log = result.stdout, result.stderr
     assert result.returncode == 0 and "Traceback" not in log, out + log[-3000:]
     assert "LOADED dsv32 False" in out and "IMPORTED []" in out, out
@@ -251,12 +252,6 @@ MISTRAL_PARTS = [
 ]
 
 
-def run_mistral_in_tree(tree: Path) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in upstream_tree.tree_env(tree).items() if not k.startswith("VLLM_")}
-    env["PYTHONPATH"] += os.pathsep + str(Path(__file__).parent)
-    return fresh.python(["-c", LOAD_MISTRAL], env, cwd=tree)
-
-
 @pytest.mark.skipif(not set(MISTRAL_FILES) <= SOURCES, reason="the change has no Mistral files")
 def test_a_whole_tree_runs_mistral_large_4_under_dbo_reading_its_own_topk(
     released,  # noqa: F811
@@ -264,7 +259,7 @@ def test_a_whole_tree_runs_mistral_large_4_under_dbo_reading_its_own_topk(
 ):
     """The whole change carried: Mistral Large 4 loads under DBO with the plugin, and its DBO
     step reads only its own microbatch's top-k, kept by the tree's own code."""
-    result = run_mistral_in_tree(patched_tree(released, tmp_path, link=True))
+    result = run_in_tree(patched_tree(released, tmp_path, link=True), LOAD_MISTRAL)
     out = result.stdout
     assert result.returncode == 0 and "LOADED" in out, out + result.stderr[-3000:]
     assert "READS 8 []" in out, out
@@ -284,7 +279,7 @@ def test_a_tree_with_mistral_large_4_in_part_refuses_it_under_dbo(
     tree = small_tree(released, tmp_path, link=True)
     for path in (INDEX_GROUP, SPARSE_MLA, *part):
         (tree / path).write_text(patched_files[path])
-    result = run_mistral_in_tree(tree)
+    result = run_in_tree(tree, LOAD_MISTRAL)
     out = result.stdout
     assert result.returncode == 0 and "LOADED" not in out, out + result.stderr[-3000:]
     [refusal] = [line for line in out.splitlines() if line.startswith("REFUSED")]
