@@ -19,13 +19,6 @@ def vllm_env():
         yield config
 
 
-@pytest.fixture(params=["copies", "offsets"])
-def layout(request, monkeypatch):
-    """Each layout of microbatches 1..'s top-k in turn (VLLM_DSA_DBO_LAYOUT)."""
-    monkeypatch.setenv("VLLM_DSA_DBO_LAYOUT", request.param)
-    return request.param
-
-
 @pytest.fixture
 def fake_gpu(vllm_env):
     from vllm_dsa_dbo import cpu_dbo

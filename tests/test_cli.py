@@ -263,13 +263,8 @@ def test_status_shows_the_env_switches_spelled_off():
             "VLLM_DSA_DBO_DISABLE='maybe' is not understood: "
             "set 1, true, yes, on or stock to turn the fix off",
         ),
-        (
-            {"VLLM_DSA_DBO_LAYOUT": "rows"},
-            "VLLM_DSA_DBO_LAYOUT='rows' is not understood: set copies or offsets to choose "
-            "where microbatches 1.. keep top-k",
-        ),
     ],
-    ids=["check-bogus", "disable-maybe", "layout-rows"],
+    ids=["check-bogus", "disable-maybe"],
 )
 def test_status_unknown_env_value_is_an_error(env, message):
     """Not "fix active" and not "not set": one error naming the value and what it may be."""
@@ -280,37 +275,44 @@ def test_status_unknown_env_value_is_an_error(env, message):
     assert "NOT understood" in result.stdout and "fix active" not in result.stdout
 
 
-def test_memory_glm53_offsets_keep_only_the_valid_counts():
-    """At token offsets microbatch 1 keeps only its valid counts: G x (max_decode_rows + 1)."""
-    result = cli("memory", "--preset", "glm-5.3", "--layout", "offsets", "--json")
-    report = json.loads(result.stdout)
-    assert report["layout"] == "offsets" and report["bytes_per_extra_ubatch"] == 19 * 1025 * 4
-    text = cli("memory", "--preset", "glm-5.3", VLLM_DSA_DBO_LAYOUT="offsets").stdout
+@pytest.mark.parametrize("draft, rows", [(0, 1025), (3, 4097)])
+def test_memory_glm53_keeps_only_the_valid_counts(draft, rows):
+    """Microbatch 1 reads microbatch 0's top-k rows from its token offset and keeps only its
+    valid counts: G x (max_decode_rows + 1), max_decode_rows = min(8192, 1024 x (1 + draft))."""
+    flags = ("--preset", "glm-5.3", "--num-speculative-tokens", str(draft))
+    report = json.loads(cli("memory", *flags, "--json").stdout)
+    assert report["bytes_per_extra_ubatch"] == 19 * rows * 4
+    text = cli("memory", *flags).stdout
+    assert "logical top-k buffer   microbatch 0's, from the token offset: 0" in text
     assert "physical top-k rows    microbatch 0's, from the token offset: 0" in text
-    assert "1 extra: 77,900 bytes (0.1 MiB)" in text
-    bad = cli("memory", "--preset", "glm-5.3", VLLM_DSA_DBO_LAYOUT="rows")
-    assert bad.returncode == 2 and "VLLM_DSA_DBO_LAYOUT='rows' is not understood" in bad.stderr
+    assert f"1 extra: {19 * rows * 4:,} bytes (0.{1 if draft == 0 else 3} MiB)" in text
 
 
-def test_memory_glm53_is_19_groups_216_mib():
+def test_status_says_the_retired_layout_switch_is_read_no_more():
+    result = cli("status", VLLM_DSA_DBO_LAYOUT="copies")
+    assert "VLLM_DSA_DBO_LAYOUT='copies' is no longer read" in result.stdout
+    assert "Traceback" not in result.stderr
+
+
+def test_memory_glm53_is_19_groups_77900_bytes():
     result = cli("memory", "--preset", "glm-5.3", "--json")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["groups_with_followers"] == 19
     assert len(report["leaders"]) == 21 and report["followers"] == 57
-    assert round(report["bytes_per_extra_ubatch"] / 2**20) == 216
+    assert report["bytes_per_extra_ubatch"] == 77_900
     text = cli("memory", "--preset", "glm-5.3").stdout
-    assert "G = 19" in text and "216.2 MiB" in text
+    assert "G = 19" in text and "77,900 (0.1 MiB)" in text
     assert f"vLLM {version('vllm')} code path: vllm/models/deepseek_v32/nvidia (cuda)" in text
 
 
-def copied_groups(stack: SharedTopkStack) -> list:
-    """The stack's index groups, once each, that hold per-microbatch copies of their state."""
+def followed_groups(stack: SharedTopkStack) -> list:
+    """The stack's index groups, once each, that hold per-microbatch state."""
     groups = {id(impl.index_group): impl.index_group for impl in stack.impls}
     return [g for g in groups.values() if g.ubatch_topk_states]
 
 
-def test_memory_matches_the_builders_allocation(fake_gpu, tmp_path, layout):
+def test_memory_matches_the_builders_allocation(fake_gpu, tmp_path):
     config = {
         "architectures": ["GlmMoeDsaForCausalLM"],
         "num_hidden_layers": 11,
@@ -319,10 +321,10 @@ def test_memory_matches_the_builders_allocation(fake_gpu, tmp_path, layout):
         "index_skip_topk_offset": 2,
     }
     (tmp_path / "config.json").write_text(json.dumps(config))
-    # The demo stack's builder: 32 batched tokens, 8 decode rows.
+    # The demo stack's builder: 32 batched tokens, 10 decode rows.
     stack = SharedTopkStack(leader_mask(config), num_ubatches=3)
-    copied = copied_groups(stack)
-    allocated = ubatch_topk_bytes(copied)
+    followed = followed_groups(stack)
+    allocated = ubatch_topk_bytes(followed)
     result = cli(
         "memory",
         "--config",
@@ -330,14 +332,13 @@ def test_memory_matches_the_builders_allocation(fake_gpu, tmp_path, layout):
         "--max-num-batched-tokens",
         "32",
         "--max-num-seqs",
-        "8",
+        "10",
         "--num-ubatches",
         "3",
         "--json",
-        VLLM_DSA_DBO_LAYOUT=layout,
     )
     report = json.loads(result.stdout)
-    assert report["groups_with_followers"] == len(copied)
+    assert report["groups_with_followers"] == len(followed)
     assert report["bytes_total"] == allocated > 0
 
 
@@ -517,7 +518,7 @@ def test_memory_follows_the_architecture_vllm_builds(tmp_path, architectures, sh
     else:
         assert result.returncode == 0, result.stderr
         assert shown in result.stdout and "followers (3" in result.stdout
-        assert "extra bytes per GPU per extra microbatch: 2,896,652 (2.8 MiB)" in result.stdout
+        assert "extra bytes per GPU per extra microbatch: 12,300 (0.0 MiB)" in result.stdout
 
 
 def test_memory_stops_at_what_hy_v4s_config_class_refuses_before_its_model_code(tmp_path):
@@ -662,8 +663,8 @@ V41_2 = {
                 "indexer_types": ["full", "shared", "full", "shared"],
             },
             [],
-            "extra bytes per GPU per extra microbatch: 2,097,152 (2.0 MiB)",
-        ),  # 8192 x 64 x 4
+            "extra memory: 0 bytes; allocated at model load: nothing (followers build private",
+        ),
         (V41_2, [], "  top-k buffer           8192 x 64 x 4 = 2,097,152"),
         (V41_2, ["--platform", "rocm"], "extra memory: none; refused under DBO"),
         (
@@ -674,7 +675,7 @@ V41_2 = {
                 "index_topk_freq": 2,
             },
             ["--platform", "rocm"],
-            "  (logical top-k buffer only (followers build private single-layer groups))",
+            "extra memory: 0 bytes; allocated at model load: nothing (followers build private",
         ),
     ],
     ids=["hy-v4", "deepseek-v41", "deepseek-v41-rocm", "rocm-dsa"],
@@ -692,8 +693,8 @@ def test_startup_line_names_what_was_allocated(fake_gpu):
     stack = SharedTopkStack([True, True, False], num_ubatches=2)
     model = nn.ModuleList([attention_module(impl, stack.buffer) for impl in stack.impls])
     line = describe(model)
-    copied = copied_groups(stack)
-    allocated = ubatch_topk_bytes(copied)
+    allocated = ubatch_topk_bytes(followed_groups(stack))
+    assert allocated == 11 * 4
     assert line is not None
     assert f"2 microbatches, 1 index groups with followers, {allocated:,} bytes" in line
     without = SharedTopkStack([True, True, False], num_ubatches=1)

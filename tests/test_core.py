@@ -1,4 +1,4 @@
-"""Core: shared top-k stays per DBO microbatch through vLLM's real classes, in each layout.
+"""Core: shared top-k stays per DBO microbatch through vLLM's real classes.
 
 Layers A and B lead, C follows B (GLM-5.x layers 1, 2, 3): one group without
 followers, one with a follower. One DBO step runs A0 B0 | A1 B1 | C0 | C1
@@ -11,11 +11,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from layouts import address
-from vllm_dsa_dbo import settings
-from vllm_dsa_dbo.cpu_dbo import TOKENS_PER_UBATCH, FakeStream, SharedTopkStack, run_dbo_step
-
-pytestmark = pytest.mark.usefixtures("layout")
+from ubatch_rows import address
+from vllm_dsa_dbo.cpu_dbo import (
+    FIRST_MOE_LAYER,
+    GLM5_LAYOUT,
+    TOKENS_PER_UBATCH,
+    FakeStream,
+    SharedTopkStack,
+    run_dbo_step,
+)
 
 LEADERS = [True, True, False]
 # Converted rows for the whole step: each microbatch converts once into the group's state.
@@ -38,7 +42,7 @@ def test_dbo_ubatch_followers_read_their_own_leaders_topk(fake_gpu):
 
     assert group_a.ubatch_topk_states == ()
     assert len(group_b.ubatch_topk_states) == 1
-    assert len(stack.builder.ubatch_logical_topk.buffers) == 1
+    assert len(stack.builder.ubatch_logical_topk) == 2
     assert group_a.ubatch_logical_topk is stack.builder.ubatch_logical_topk
     assert group_b.ubatch_logical_topk is stack.builder.ubatch_logical_topk
 
@@ -49,7 +53,7 @@ def test_dbo_ubatch_followers_read_their_own_leaders_topk(fake_gpu):
     assert foreign_event_waits() == []
 
 
-def test_dbo_ubatch_writers_and_readers_resolve_one_buffer(fake_gpu, layout):
+def test_dbo_ubatch_writers_and_readers_resolve_one_buffer(fake_gpu):
     stack = SharedTopkStack(LEADERS, num_ubatches=2, max_decode_rows=WHOLE_STEP)
     group = stack.impls[1].index_group
     seen = {}
@@ -61,15 +65,11 @@ def test_dbo_ubatch_writers_and_readers_resolve_one_buffer(fake_gpu, layout):
 
     run_dbo_step(step)
     assert seen[0] == ({address(stack.buffer)}, address(group.physical_topk_indices))
-    if layout == settings.OFFSETS:
-        rows = [t[TOKENS_PER_UBATCH[0] :] for t in (stack.buffer, group.physical_topk_indices)]
-    else:
-        state = group.ubatch_topk_states[0]
-        rows = [stack.builder.ubatch_logical_topk.buffers[0], state.physical_topk_indices]
+    rows = [t[TOKENS_PER_UBATCH[0] :] for t in (stack.buffer, group.physical_topk_indices)]
     assert seen[1] == ({address(rows[0])}, address(rows[1]))
 
 
-def test_dbo_ubatch_offsets_allocate_no_topk_buffer(fake_gpu, layout):
+def test_dbo_ubatch_allocates_no_topk_buffer(fake_gpu):
     """Microbatch 1's logical and converted rows are microbatch 0's, from its token offset:
     only its valid counts (kilobytes) and events are its own."""
     from vllm_dsa_dbo.diagnostics.startup import ubatch_topk_bytes
@@ -84,18 +84,18 @@ def test_dbo_ubatch_offsets_allocate_no_topk_buffer(fake_gpu, layout):
     run_dbo_step(step)
     logical, physical = seen[1]
     counts = group.ubatch_topk_states[0].valid_topk_counts
-    aliases = logical._base is stack.buffer and physical._base is group.physical_topk_indices
-    assert aliases == (layout == settings.OFFSETS)
-    if layout == settings.OFFSETS:
-        assert ubatch_topk_bytes([group]) == counts.numel() * counts.element_size()
-    else:
-        assert ubatch_topk_bytes([group]) > stack.buffer.numel() * stack.buffer.element_size()
+    assert logical._base is stack.buffer and physical._base is group.physical_topk_indices
+    assert ubatch_topk_bytes([group]) == counts.numel() * counts.element_size()
 
 
-def test_dbo_ubatch_past_the_workspace_converts_per_layer(fake_gpu, layout, monkeypatch):
+@pytest.mark.parametrize("past", [True, False])
+def test_dbo_ubatch_past_the_workspace_converts_per_layer(fake_gpu, monkeypatch, past):
     """A microbatch whose rows run past the group's converted rows (at its offset) takes
-    vLLM's own per-layer conversion: still its own top-k, converted by every layer."""
+    vLLM's own per-layer conversion: still its own top-k, converted by every layer; the
+    checker counts the step."""
     from vllm.v1.attention.backends.mla import index_group
+
+    from vllm_dsa_dbo.diagnostics import isolation
 
     conversions = []
     convert = index_group.triton_convert_req_index_to_global_index
@@ -105,15 +105,48 @@ def test_dbo_ubatch_past_the_workspace_converts_per_layer(fake_gpu, layout, monk
         return convert(*args, **kwargs)
 
     monkeypatch.setattr(index_group, "triton_convert_req_index_to_global_index", counted)
-    rows = TOKENS_PER_UBATCH[0] + TOKENS_PER_UBATCH[1] - 2
+    checker = isolation.IsolationChecker("audit")
+    monkeypatch.setattr(isolation, "CHECKER", checker)
+    group_cls = index_group.SparseMLAIndexGroup
+    monkeypatch.setattr(group_cls, "_convert_once", group_cls._convert_once)
+    [checked] = [p for p in isolation.PATCHES if p.name == "isolation_index_group"]
+    checked.apply(index_group)
+    rows = sum(TOKENS_PER_UBATCH) - (2 if past else 0)
     reads = SharedTopkStack(LEADERS, num_ubatches=2, max_decode_rows=rows).run_step()
 
     assert [(r.layer, r.ubatch) for r in reads if not r.ok] == []
     # (into a group's rows, per layer): A converts in each microbatch; B once for B and C,
-    # but at its offset microbatch 1 runs past B's rows, so B and C each convert for
-    # themselves.
-    into_rows = (3, 2) if layout == settings.OFFSETS else (4, 0)
+    # but past its rows from its offset microbatch 1 converts for B and C each.
+    into_rows = (3, 2) if past else (4, 0)
     assert (conversions.count(True), conversions.count(False)) == into_rows
+    assert (checker.past_workspace_steps, sum(checker.violations.values())) == (int(past), 0)
+
+
+@pytest.mark.parametrize("padding", [0, TOKENS_PER_UBATCH[1]])
+def test_dbo_ubatch_padding_past_its_rows_is_safe_in_dbo_order(fake_gpu, padding):
+    """Leaders that fill rows past their own (the indexer's padded decode path) write into
+    the next microbatch's rows; in DBO's order that microbatch's followers have read first."""
+    from vllm_dsa_dbo.diagnostics.layout import leader_mask
+
+    stack = SharedTopkStack(leader_mask(GLM5_LAYOUT), num_ubatches=2)
+    reads = stack.run_step(FIRST_MOE_LAYER, padding=padding)
+    assert [(r.layer, r.ubatch) for r in reads if not r.ok] == []
+
+
+def test_dbo_ubatch_padding_breaks_a_schedule_out_of_dbo_order(fake_gpu):
+    """A leader run before the other microbatch's followers of the previous leader have read
+    (no yield between them, as dense layers could give) overwrites their rows with padding:
+    the layout depends on DBO's order, and this shows it."""
+    from vllm_dsa_dbo.diagnostics.layout import leader_mask
+
+    leaders = leader_mask(GLM5_LAYOUT)
+    leader = leaders.index(True, FIRST_MOE_LAYER)
+    stack = SharedTopkStack(leaders, num_ubatches=2)
+    early = {FIRST_MOE_LAYER - 1, leader}
+    assert all(r.ok for r in stack.run_step(yield_after=early))
+    reads = stack.run_step(yield_after=early, padding=TOKENS_PER_UBATCH[1])
+    wrong = [(r.layer, r.ubatch) for r in reads if not r.ok]
+    assert wrong == [(layer, 1) for layer in range(FIRST_MOE_LAYER, leader)]
 
 
 def test_dbo_ubatch_one_microbatch_shows_the_bug(fake_gpu):
@@ -135,7 +168,7 @@ def test_dbo_ubatch_outside_microbatch_threads_resolves_ubatch0(fake_gpu):
 def test_dbo_ubatch_no_dbo_allocates_nothing(fake_gpu, num_ubatches):
     stack = SharedTopkStack(LEADERS, num_ubatches=num_ubatches)
     assert stack.builder.num_ubatches == 1
-    assert stack.builder.ubatch_logical_topk.buffers == ()
+    assert len(stack.builder.ubatch_logical_topk) == 0
     assert stack.impls[1].index_group.ubatch_topk_states == ()
 
 
@@ -236,11 +269,10 @@ def test_dbo_ubatch_group_built_without_init_reads_as_stock(fake_gpu, monkeypatc
     assert group.logical_topk_ready.recorded_by == 0
 
 
-def test_dbo_ubatch_unknown_layout_stops_the_build_naming_it(fake_gpu, monkeypatch):
-    """A DBO model with followers is not built in a layout nobody chose."""
-    from vllm_dsa_dbo.settings import EnvValueError
-
-    monkeypatch.setenv(settings.LAYOUT_ENV, "rows")
-    with pytest.raises(EnvValueError, match="VLLM_DSA_DBO_LAYOUT='rows' is not understood"):
-        SharedTopkStack(LEADERS, num_ubatches=2)
-    assert SharedTopkStack(LEADERS, num_ubatches=1).builder.ubatch_logical_topk.buffers == ()
+def test_dbo_ubatch_the_retired_layout_switch_changes_nothing(fake_gpu, monkeypatch):
+    """VLLM_DSA_DBO_LAYOUT, whatever its value, no longer picks a layout."""
+    monkeypatch.setenv("VLLM_DSA_DBO_LAYOUT", "copies")
+    stack = SharedTopkStack(LEADERS, num_ubatches=2)
+    group = stack.impls[1].index_group
+    assert group.ubatch_topk_states[0].rows is group.physical_topk_indices
+    assert [(r.layer, r.ubatch) for r in stack.run_step() if not r.ok] == []

@@ -46,12 +46,12 @@ def test_raise_mode_stops_at_the_first_bad_read_on_stock_vllm():
     assert "top-k reads came from the wrong microbatch" not in result.stdout
 
 
-def test_fix_gives_zero_violations(undo_patches, layout):
+def test_fix_gives_zero_violations(undo_patches):
     """In this process, where the plugin is applied; the checker's patches undone after."""
     from vllm_dsa_dbo import demo as phases
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
-    env |= {"VLLM_DSA_DBO_CHECK": "raise", "VLLM_DSA_DBO_LAYOUT": layout}
+    env |= {"VLLM_DSA_DBO_CHECK": "raise"}
     with undo_patches():
         result = run_here(phases.main, ["--phase", "fixed"], env)
     assert result.returncode == 0, result.stderr[-3000:]

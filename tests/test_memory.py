@@ -41,7 +41,7 @@ def glm5_leaders(num_layers: int, freq: int, offset: int) -> list[bool]:
 def build(
     leaders: list[bool], num_ubatches: int
 ) -> tuple[SparseMLAIndexGroupBuilder, list[SparseMLAIndexGroup]]:
-    """The builder, and the groups it gave per-microbatch copies of their state."""
+    """The builder, and the groups it gave per-microbatch state."""
     buffer = torch.empty(MAX_NUM_BATCHED_TOKENS, INDEX_TOPK, dtype=torch.int32)
     builder = SparseMLAIndexGroupBuilder(buffer, MAX_DECODE_ROWS, num_ubatches=num_ubatches)
     groups = {id(g): g for g, _ in (builder.register_layer(leads) for leads in leaders)}
@@ -54,44 +54,30 @@ def build(
 )
 @pytest.mark.parametrize("num_ubatches", [2, 3])
 def test_allocated_bytes_match_formula(
-    fake_gpu, num_layers, freq, offset, expected_groups, num_ubatches, layout
+    fake_gpu, num_layers, freq, offset, expected_groups, num_ubatches
 ):
+    """Only each extra microbatch's valid counts: its top-k rows are microbatch 0's."""
     leaders = glm5_leaders(num_layers, freq, offset)
-    _, copied = build(leaders, num_ubatches)
-    g = len(copied)
+    _, followed = build(leaders, num_ubatches)
+    g = len(followed)
     assert g == expected_groups == groups_with_followers(leaders)
 
-    extra = num_ubatches - 1
-    index_bytes = (MAX_NUM_BATCHED_TOKENS + g * (MAX_DECODE_ROWS + 1)) * INDEX_TOPK * 4
-    if g == 0 or layout == "offsets":
-        index_bytes = 0
     count_bytes = g * (MAX_DECODE_ROWS + 1) * 4
-    assert ubatch_topk_bytes(copied) == extra * (index_bytes + count_bytes)
-    assert ubatch_topk_bytes(copied) == extra * ubatch_topk_bytes_per_extra_ubatch(
-        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
-        max_decode_rows=MAX_DECODE_ROWS,
-        index_topk=INDEX_TOPK,
-        groups_with_followers=g,
-        at_token_offset=layout == "offsets",
+    assert ubatch_topk_bytes(followed) == (num_ubatches - 1) * count_bytes
+    assert ubatch_topk_bytes(followed) == (num_ubatches - 1) * ubatch_topk_bytes_per_extra_ubatch(
+        max_decode_rows=MAX_DECODE_ROWS, groups_with_followers=g
     )
 
 
-def test_glm53_geometry_is_216_mib():
-    per_ubatch = ubatch_topk_bytes_per_extra_ubatch(
-        max_num_batched_tokens=8192,
-        max_decode_rows=1024,
-        index_topk=2048,
-        groups_with_followers=19,
-    )
-    index_bytes = (8192 + 19 * 1025) * 2048 * 4
-    assert per_ubatch == index_bytes + 19 * 1025 * 4
-    assert round(per_ubatch / 2**20) == 216
+def test_glm53_geometry_is_77900_bytes():
+    per_ubatch = ubatch_topk_bytes_per_extra_ubatch(max_decode_rows=1024, groups_with_followers=19)
+    assert per_ubatch == 19 * 1025 * 4 == 77_900
 
 
 def test_no_dbo_allocates_nothing(fake_gpu):
-    builder, copied = build(glm5_leaders(78, 4, 3), num_ubatches=1)
-    assert copied == []
-    assert builder.ubatch_logical_topk.buffers == ()
+    builder, followed = build(glm5_leaders(78, 4, 3), num_ubatches=1)
+    assert followed == []
+    assert len(builder.ubatch_logical_topk) == 0
 
 
 def test_bad_num_ubatches_is_refused(fake_gpu):
@@ -117,7 +103,8 @@ def memory_report(capsys, config: dict, *args: str) -> dict:
 
 
 def test_memory_is_what_hy_v4_allocates(fake_gpu, monkeypatch, capsys):
-    """HYV4 on CUDA: one logical buffer, no physical copies, as the real model allocates."""
+    """HYV4 on CUDA: followers in private groups read the logical buffer at their token offset:
+    nothing allocated, as the real model allocates."""
     from test_patch_hy_v4 import HF_CONFIG, LEADERS, MAX_NUM_BATCHED_TOKENS, build_hyv4_model
     from vllm_dsa_dbo.diagnostics.refusals import index_groups
 
@@ -130,12 +117,12 @@ def test_memory_is_what_hy_v4_allocates(fake_gpu, monkeypatch, capsys):
         str(MAX_NUM_BATCHED_TOKENS),
     )
     assert report["leaders"] == [i for i, lead in enumerate(LEADERS) if lead]
-    logical_buffer = MAX_NUM_BATCHED_TOKENS * HF_CONFIG["index_topk"] * 4
-    assert report["bytes_total"] == allocated == logical_buffer
+    assert report["followers"] and report["bytes_total"] == allocated == 0
 
 
 def test_memory_is_what_rocm_dsa_allocates(fake_gpu, monkeypatch, capsys):
-    """GLM-5 / DeepSeek-V3.2 on ROCm: one logical buffer, as vLLM's ROCm model allocates."""
+    """GLM-5 / DeepSeek-V3.2 on ROCm: private groups, nothing allocated, as vLLM's ROCm model
+    builds them; on CUDA the group with followers keeps its valid counts."""
     from test_patch_rocm_dsa import LEADERS, MAX_NUM_BATCHED_TOKENS, build_rocm_dsa_model, hf_config
     from vllm_dsa_dbo.diagnostics.refusals import index_groups
 
@@ -151,17 +138,10 @@ def test_memory_is_what_rocm_dsa_allocates(fake_gpu, monkeypatch, capsys):
     tokens = ["--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS)]
     report = memory_report(capsys, config, "--platform", "rocm", *tokens)
     assert report["leaders"] == [i for i, lead in enumerate(LEADERS) if lead]
-    assert report["bytes_total"] == allocated == MAX_NUM_BATCHED_TOKENS * hf.index_topk * 4
+    assert report["followers"] and report["bytes_total"] == allocated == 0
     on_cuda = memory_report(capsys, config, *tokens)["bytes_total"]
-    assert (
-        on_cuda
-        == ubatch_topk_bytes_per_extra_ubatch(
-            max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
-            max_decode_rows=MAX_NUM_BATCHED_TOKENS,
-            index_topk=hf.index_topk,
-            groups_with_followers=1,
-        )
-        > allocated
+    assert on_cuda == ubatch_topk_bytes_per_extra_ubatch(
+        max_decode_rows=MAX_NUM_BATCHED_TOKENS, groups_with_followers=1
     )
 
 
@@ -198,26 +178,26 @@ MINIMAX_M3 = {
         "sparse_attention_config": {"sparse_attention_freq": [0, 1, 1, 1]},
     },
 }
-LOGICAL_BYTES = 8192 * 64 * 4
+TOPK_BUFFER_BYTES = 8192 * 64 * 4
 
 
 @pytest.mark.parametrize(
     "config, platform, followers, verdict, total",
     [
-        (GLM5_8, "rocm", 4, "allocated at model load: logical top-k buffer only", LOGICAL_BYTES),
-        (DSV3_8, "cuda", 4, "allocated at model load: logical top-k buffer, and per", None),
+        (GLM5_8, "rocm", 4, "allocated at model load: nothing (followers build private", 0),
+        (DSV3_8, "cuda", 4, "allocated at model load: per index group with followers", None),
         (DSV3_8, "rocm", 4, "refused under DBO", None),
         ({**DSV3_8, "index_topk_freq": 1}, "rocm", 0, "no layer reuses another's top-k", 0),
         ({**GLM5_8, "index_topk_pattern": "FFSSFS"}, "cuda", 3, "allocated", None),
-        (HYV4_8, "cuda", 4, "allocated at model load: logical top-k buffer only", LOGICAL_BYTES),
+        (HYV4_8, "cuda", 4, "allocated at model load: nothing (followers build private", 0),
         (HYV4_8, "rocm", 4, "refused under DBO", None),
         ({**HYV4_8, "layer_types": ["full_attention"] * 8}, "cuda", 0, "no layer reuses", 0),
         (
             {**V41, "index_source_layer_ids": [1]},
             "cuda",
             2,
-            "allocated at model load: each model-wide buffer",
-            LOGICAL_BYTES,
+            "allocated at model load: a copy of each model-wide buffer",
+            TOPK_BUFFER_BYTES,
         ),  # layers 2 and 3 reuse 1's top-k
         ({**V41, "index_source_layer_ids": [1]}, "rocm", 2, "refused under DBO", None),
         ({**V41, "index_source_layer_ids": [1, 2, 3]}, "cuda", 0, "no layer reuses", 0),
@@ -281,16 +261,13 @@ def test_memory_follows_the_architecture(capsys, config, platform, followers, ve
         )
     elif total is not None:
         assert report["bytes_total"] == total
-    else:  # a shared builder: the logical buffer and each followed group's physical state
+    else:  # a shared builder: each followed group's valid counts
         assert (
             report["bytes_total"]
             == ubatch_topk_bytes_per_extra_ubatch(
-                max_num_batched_tokens=8192,
-                max_decode_rows=1024,
-                index_topk=64,
-                groups_with_followers=report["groups_with_followers"],
+                max_decode_rows=1024, groups_with_followers=report["groups_with_followers"]
             )
-            > LOGICAL_BYTES
+            > 0
         )
 
 
@@ -449,7 +426,7 @@ def test_mistral_large4_leaders_are_its_full_layers(capsys):
     report = memory_report(capsys, MISTRAL_LARGE4)
     assert report["leaders"] == [0, 3, 5, 6] and report["followers"] == 4
     assert report["bytes_total"] == ubatch_topk_bytes_per_extra_ubatch(
-        max_num_batched_tokens=8192, max_decode_rows=1024, index_topk=64, groups_with_followers=3
+        max_decode_rows=1024, groups_with_followers=3
     )
     assert memory_report(capsys, MISTRAL_LARGE4, "--platform", "rocm")["bytes_total"] is None
     every_layer = memory_report(capsys, {**MISTRAL_LARGE4, "index_sharing": None})

@@ -33,29 +33,23 @@ from vllm_dsa_dbo import patches
 from vllm_dsa_dbo.patches import mistral_attention
 
 REPO = Path(__file__).resolve().parents[1]
-CORE = "tests/test_core.py::test_dbo_ubatch_followers_read_their_own_leaders_topk"
-# The tests that run in each layout (VLLM_DSA_DBO_LAYOUT), here in the default one.
-CORE_TEST = f"{CORE}[copies]"
-OFFSETS_TEST = f"{CORE}[offsets]"
-HYV4_TEST = "tests/test_patch_hy_v4.py::test_hy_v4_followers_read_their_own_leaders_topk[copies]"
-ROCM_TEST = (
-    "tests/test_patch_rocm_dsa.py::test_rocm_dsa_followers_read_their_own_leaders_topk[copies]"
+CORE_TEST = "tests/test_core.py::test_dbo_ubatch_followers_read_their_own_leaders_topk"
+PAST_WORKSPACE_TEST = (
+    "tests/test_core.py::test_dbo_ubatch_past_the_workspace_converts_per_layer[True]"
 )
-COMPILED_TEST = (
-    "tests/test_patch_mla.py::test_compiled_dsa_followers_read_their_own_leaders_topk[copies]"
-)
+HYV4_TEST = "tests/test_patch_hy_v4.py::test_hy_v4_followers_read_their_own_leaders_topk"
+ROCM_TEST = "tests/test_patch_rocm_dsa.py::test_rocm_dsa_followers_read_their_own_leaders_topk"
+COMPILED_TEST = "tests/test_patch_mla.py::test_compiled_dsa_followers_read_their_own_leaders_topk"
 V41_TEST = (
     "tests/test_patch_deepseek_v41.py::test_deepseek_v41_reusing_layers_read_their_own_ubatch_state"
 )
 TRACED_TEST = "tests/test_patch_mla.py::test_traced_code_reads_microbatch_0s_group_state"
-UNSET_FIELD_TEST = (
-    "tests/test_core.py::test_dbo_ubatch_group_built_without_init_reads_as_stock[copies]"
-)
+UNSET_FIELD_TEST = "tests/test_core.py::test_dbo_ubatch_group_built_without_init_reads_as_stock"
 BACKENDS = "tests/test_sparse_mla_backends.py"
 BACKEND_TEST = f"{BACKENDS}::test_followers_read_their_own_leaders_topk"
-FA3_TEST = f"{BACKEND_TEST}[copies-FLASH_ATTN_MLA_SPARSE-auto-decode-16h]"
-FLASHMLA_FP8_TEST = f"{BACKEND_TEST}[copies-FLASHMLA_SPARSE-fp8_ds_mla-mixed-16h]"
-SM90_TEST = f"{BACKEND_TEST}[copies-FLASHINFER_MLA_SPARSE_SM90-auto-mixed-16h]"
+FA3_TEST = f"{BACKEND_TEST}[FLASH_ATTN_MLA_SPARSE-auto-decode-16h]"
+FLASHMLA_FP8_TEST = f"{BACKEND_TEST}[FLASHMLA_SPARSE-fp8_ds_mla-mixed-16h]"
+SM90_TEST = f"{BACKEND_TEST}[FLASHINFER_MLA_SPARSE_SM90-auto-mixed-16h]"
 XPU_TEST = f"{BACKENDS}::test_xpu_followers_share_one_buffer_and_are_refused"
 LOADER_TEST = (
     "tests/test_patch_base_loader.py::test_refused_model_is_refused_whichever_loader_builds_it"
@@ -452,7 +446,7 @@ except KeyError:
         "buffer",
         LEFT_OUT_TEST,
     ),
-    "vLLM's getter reads microbatch 0's of the plugin's copies (HYV4 in a tree)": edit(
+    "vLLM's getter reads microbatch 0's rows of the plugin's buffer (HYV4 in a tree)": edit(
         "core:UbatchLogicalTopk.__getitem__", None, "return self.buffer", LEFT_OUT_TEST
     ),
     "a tree's private follower groups always refused": edit(
@@ -588,10 +582,10 @@ except KeyError:
         "False",
         f"{MEMORY_BUILT_TEST}[not-dsa]",
     ),
-    "memory counts physical copies HYV4 does not make": edit(
+    "memory counts valid counts HYV4 does not keep": edit(
         "cli:memory",
-        "logical_only=model.path.copies == LOGICAL",
-        "logical_only=False",
+        "followed if model.path.kept == GROUPS else 0",
+        "followed",
         MEMORY_HYV4_TEST,
     ),
     "memory sizes DeepSeek-V4.1 on ROCm, which the loader refuses under DBO": edit(
@@ -676,12 +670,6 @@ except KeyError:
         "if not reads_another_layers_topk(group):\n    return False",
         "tests/test_upstream_tree_load.py::test_glm5_loads_in_a_patched_tree_with_and_without_dbo",
     ),
-    "a tree's logical top-k list read as the plugin's": edit(
-        "diagnostics.refusals:extra_logical_topk",
-        'list(extra.buffers) if hasattr(extra, "buffers") else list(extra)[1:]',
-        "list(extra.buffers)",
-        "tests/test_upstream_tree_load.py::test_glm5_loads_in_a_patched_tree_with_and_without_dbo",
-    ),
     "a getter another plugin put back over the fix's loaded under DBO": edit(
         "diagnostics.refusals:check_wired",
         "num_ubatches > 1 and (differs := unresolved(model)) is not None",
@@ -739,7 +727,7 @@ except KeyError:
 
 # Mistral Large 4 came in vLLM 0.34.0: its mutations apply where its patches have a seam.
 MISTRAL = "tests/test_patch_mistral.py"
-MISTRAL_TEST = f"{MISTRAL}::test_mistral_followers_read_their_own_leaders_topk[copies-fused]"
+MISTRAL_TEST = f"{MISTRAL}::test_mistral_followers_read_their_own_leaders_topk[fused]"
 MISTRAL_UNWIRED_TEST = f"{MISTRAL}::test_mistral_leader_with_an_unwired_writer_is_refused"
 MISTRAL_ROCM_TEST = f"{MISTRAL}::test_mistral_paths_left_unfixed_are_refused_at_load[rocm]"
 if patches.matters(mistral_attention.PATCH):
@@ -782,19 +770,12 @@ if patches.matters(mistral_attention.PATCH):
         ),
         "Mistral on ROCm, its leaders unwired, loaded under DBO": edit(
             "diagnostics.refusals:shares_topk_across_ubatches",
-            "return not (copied and group.leader_writes_follow_impl)",
-            "return not copied",
+            "return not (kept and group.leader_writes_follow_impl)",
+            "return not kept",
             MISTRAL_ROCM_TEST,
         ),
     }
 
-# The core test in the offsets layout fails under each mutation of its copies-layout run, and
-# under those of the offsets layout's own parts.
-MUTATIONS |= {
-    f"{name} (offsets)": Mutation(m.site, m.old, m.new, OFFSETS_TEST, m.in_string)
-    for name, m in MUTATIONS.items()
-    if m.test == CORE_TEST
-}
 MUTATIONS |= {
     "the registry check reads a wrapper's code, not vLLM's under it": edit(
         "core:thread_registry_mismatch",
@@ -802,27 +783,30 @@ MUTATIONS |= {
         "ubatching.UBatchContext.__enter__",
         f"{LIVE}::test_thread_registry_check_reads_through_a_wrapper_of_vllms_enter",
     ),
-    "offsets: microbatch 1 converts into microbatch 0's rows": edit(
-        "core:UbatchTopkAtOffset.physical_topk_indices", None, "return self.rows", OFFSETS_TEST
+    "microbatch 1 converts into microbatch 0's rows": edit(
+        "core:UbatchTopkState.physical_topk_indices", None, "return self.rows", CORE_TEST
     ),
-    "offsets: microbatch 1 writes and reads microbatch 0's logical rows": edit(
-        "core:UbatchLogicalTopk.of_ubatch",
-        "buffer[dbo_current_ubatch_token_offset():] if self.at_token_offset else buffer",
-        "buffer",
-        OFFSETS_TEST,
+    "microbatch 1 writes and reads microbatch 0's logical rows": edit(
+        "core:UbatchLogicalTopk.ubatch_rows", None, "return self.buffer", CORE_TEST
     ),
-    "offsets: microbatch 1 records and waits on microbatch 0's events": edit(
-        "core:UbatchTopkAtOffset.like",
+    "microbatch 1 records and waits on microbatch 0's events": edit(
+        "core:UbatchTopkState.like",
         None,
         "return cls(group.physical_topk_indices, torch.empty_like(group.valid_topk_counts), "
         "group.logical_topk_ready, group.physical_topk_ready)",
-        OFFSETS_TEST,
+        CORE_TEST,
     ),
-    "offsets: microbatch 1 shares microbatch 0's valid counts": edit(
-        "core:UbatchTopkAtOffset.like",
+    "microbatch 1 shares microbatch 0's valid counts": edit(
+        "core:UbatchTopkState.like",
         "valid_topk_counts=torch.empty_like(group.valid_topk_counts)",
         "valid_topk_counts=group.valid_topk_counts",
-        OFFSETS_TEST,
+        CORE_TEST,
+    ),
+    "the checker never counts a step past the workspace": edit(
+        "diagnostics.isolation:IsolationChecker.past_workspace",
+        "self.past_workspace_steps += 1",
+        "pass",
+        PAST_WORKSPACE_TEST,
     ),
 }
 

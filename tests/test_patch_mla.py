@@ -170,7 +170,7 @@ class CompiledStack(SharedTopkStack):
         self.traced_ready[layer].record(current_stream())
 
 
-def test_compiled_dsa_followers_read_their_own_leaders_topk(fake_gpu, monkeypatch, layout):
+def test_compiled_dsa_followers_read_their_own_leaders_topk(fake_gpu, monkeypatch):
     from vllm_dsa_dbo.diagnostics.refusals import check_wired
     from vllm_dsa_dbo.diagnostics.startup import describe
 

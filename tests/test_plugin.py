@@ -119,18 +119,10 @@ CHECKER = """
             "behaviour for A/B runs), or unset it (0, false, no, off or none also mean off). "
             "The fix is applied.",
         ),
-        (
-            {"VLLM_DSA_DBO_LAYOUT": "rows"},
-            True,
-            None,
-            "VLLM_DSA_DBO_LAYOUT='rows' is not understood: set copies or offsets to choose where "
-            "microbatches 1.. keep top-k, or unset it (0, false, no, off or none also mean off). "
-            "A DBO model with shared top-k stops at load with this error.",
-        ),
         ({"VLLM_DSA_DBO_CHECK": "off", "VLLM_DSA_DBO_DISABLE": "0"}, True, None, None),
         ({"VLLM_DSA_DBO_CHECK": "Audit", "VLLM_DSA_DBO_DISABLE": "yes"}, False, "audit", None),
     ],
-    ids=["check-bogus", "disable-maybe", "layout-rows", "off-spellings", "checker-only"],
+    ids=["check-bogus", "disable-maybe", "off-spellings", "checker-only"],
 )
 def test_vllm_starts_with_any_env_value(env, patched, checker, logged):
     """vLLM's plugin loader never sees an exception: an unknown value is logged as an
@@ -140,6 +132,24 @@ def test_vllm_starts_with_any_env_value(env, patched, checker, logged):
     assert f"PATCHED {patched}" in result.stdout and f"CHECKER {checker}" in result.stdout
     expected = [] if logged is None else [f"vllm-dsa-dbo: {logged}"]
     assert f"ERRORS {expected!r}" in result.stdout, result.stdout
+
+
+def test_the_retired_layout_switch_is_reported_and_read_no_more():
+    result = run_python(
+        RECORD_LOG,
+        LOAD,
+        PATCHED,
+        """
+        print("WARNINGS", [r.getMessage() for r in records if r.levelname == "WARNING"])
+        """,
+        VLLM_DSA_DBO_LAYOUT="copies",
+    )
+    assert "PATCHED True" in result.stdout, result.stderr[-3000:]
+    notice = (
+        "vllm-dsa-dbo: VLLM_DSA_DBO_LAYOUT='copies' is no longer read: microbatches 1.. always "
+        "read microbatch 0's top-k buffers from their token offset."
+    )
+    assert f"WARNINGS {[notice]!r}" in result.stdout, result.stdout
 
 
 def test_other_vllm_version_is_refused_and_nothing_patched():
@@ -224,7 +234,7 @@ def test_hisparse_follower_under_dbo_is_refused(fake_gpu):
     assert builder.current_group.num_layers == 1
 
 
-def test_hisparse_under_dbo_is_refused_at_load_whatever_the_layout(vllm_env):
+def test_hisparse_under_dbo_is_refused_at_load_with_or_without_followers(vllm_env):
     """vLLM's HiSparse KV write takes the whole batch's slot mapping from row 0, not the
     microbatch's: microbatch 1 writes its KV into microbatch 0's slots, followers or
     not. Through vLLM's MLAAttention.update_kv_cache and HiSparseCacheHandle; the

@@ -386,7 +386,7 @@ def _same(read: tuple, written: tuple) -> bool:
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=str)
-def test_followers_read_their_own_leaders_topk(sparse_env, monkeypatch, variant, layout):
+def test_followers_read_their_own_leaders_topk(sparse_env, monkeypatch, variant):
     stack = BackendStack(variant, monkeypatch)
     assert stack.impls[2].index_group is stack.impls[1].index_group
     assert stack.run_step() == []
@@ -400,9 +400,7 @@ def test_one_microbatch_of_state_shows_the_bug(sparse_env, monkeypatch, variant)
 
 
 @pytest.mark.parametrize("variant", both_batches("FLASHMLA_SPARSE"), ids=str)
-def test_shardq_step_followers_read_their_own_leaders_topk(
-    sparse_env, monkeypatch, variant, layout
-):
+def test_shardq_step_followers_read_their_own_leaders_topk(sparse_env, monkeypatch, variant):
     """A ShardQ step (vLLM 0.34.0, TP > 1): the leader writes the rank's tokens from row
     `topk_start` on and every impl reads from there, converting per layer."""
     from vllm.model_executor.layers.attention.sparse_mla_attention import SparseMLACommonImpl

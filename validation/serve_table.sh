@@ -11,9 +11,8 @@
 #                             converted top-k per microbatch, logical buffer shared)
 #   mtp_off mtp_stock mtp_fix DBO off / stock / the fix, with MTP speculative decoding (one
 #                             draft token) from the untrained MTP layer `trained mtp` adds
-#   offsets offsets_check     the fix in the offsets layout (VLLM_DSA_DBO_LAYOUT=offsets), the
-#                             second with the checker
-#   mtp3_off mtp3_offsets     DBO off / the offsets layout, with MTP at 3 draft tokens
+#   mtp3_off mtp3_off_b mtp3_fix   DBO off twice (the MTP floor) / the fix, with MTP at 3
+#                             draft tokens
 #   f1_off f1_stock           the same weights at index_topk_freq=1 (`trained control`)
 #   tree_off tree_fix         DBO off and on in the vLLM tree SERVE_TABLE_TREE names, with only
 #                             the harness loaded: validation/upstream_tests.sh leaves the tree
@@ -129,7 +128,7 @@ healthy() {  # ARM: /health within 300 s, or why not
 }
 
 arm() {  # ARM: serve, evaluate, stop
-  local name=$1 model=$freq4 disable="" check="" half="" layout="" extra=() path=$site plugins=()
+  local name=$1 model=$freq4 disable="" check="" half="" extra=() path=$site plugins=()
   case "$name" in
     off_a|off_b) ;;
     stock) disable=stock extra=("${dbo[@]}") ;;
@@ -140,10 +139,8 @@ arm() {  # ARM: serve, evaluate, stop
     mtp_fix) model=$mtp extra=("${spec[@]}" "${dbo[@]}") ;;
     stock_check) disable=stock check=audit extra=("${dbo[@]}") ;;
     fix_check) check=audit extra=("${dbo[@]}") ;;
-    offsets) layout=offsets extra=("${dbo[@]}") ;;
-    offsets_check) layout=offsets check=audit extra=("${dbo[@]}") ;;
-    mtp3_off) model=$mtp extra=("${spec3[@]}") ;;
-    mtp3_offsets) model=$mtp layout=offsets extra=("${spec3[@]}" "${dbo[@]}") ;;
+    mtp3_off|mtp3_off_b) model=$mtp extra=("${spec3[@]}") ;;
+    mtp3_fix) model=$mtp extra=("${spec3[@]}" "${dbo[@]}") ;;
     f1_off) model=$freq1 ;;
     f1_stock) model=$freq1 disable=stock extra=("${dbo[@]}") ;;
     tree_off|tree_fix|tree_plugin)
@@ -156,7 +153,7 @@ arm() {  # ARM: serve, evaluate, stop
   echo "## $name"
   echo "$name: vLLM from $(PYTHONPATH=$path python3 -c 'import importlib.util as u; print(u.find_spec("vllm").origin)')"
   local t0=$SECONDS run=(setsid env PYTHONPATH="$path" "${plugins[@]}" VLLM_DSA_DBO_DISABLE="$disable" VLLM_DSA_DBO_CHECK="$check"
-    VLLM_DSA_DBO_HARNESS_HALF_FIX="$half" VLLM_DSA_DBO_LAYOUT="$layout"
+    VLLM_DSA_DBO_HARNESS_HALF_FIX="$half"
     python3 -m vllm.entrypoints.cli.main serve "$model" "${common[@]}" "${extra[@]}")
   "${run[@]}" --port $port --host 127.0.0.1 --api-server-count 1 --disable-uvicorn-access-log > "$out/$name.rank0.log" 2>&1 &
   pids+=($!)

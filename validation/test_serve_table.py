@@ -43,7 +43,8 @@ def test_an_arms_record_names_runner_release_forwards_and_acceptance(tmp_path, m
             + line.format(r=rank)
             + "1 microbatched forwards of 3; Model Runner V2, vLLM 0.34.0\n"
             + line.format(r=rank)
-            + "90 microbatched forwards of 120; checker 40 reads, 0 bad; "
+            + "90 microbatched forwards of 120; checker 40 reads, 0 bad, 3 steps past the "
+            "workspace; "
             "Model Runner V2, vLLM 0.34.0\n"
             + line.format(r=rank).replace("dsa_dbo_harness: ", "")
             + "Model loading took 1.09 GiB memory and 3.1 seconds\n"
@@ -65,7 +66,13 @@ def test_an_arms_record_names_runner_release_forwards_and_acceptance(tmp_path, m
     assert got["env"]["CUDA_VISIBLE_DEVICES"] == "0"
     assert got["env"]["VLLM_DSA_DBO_HARNESS_GATES"] == "0"
     assert got["vllm_version"] == ["0.34.0"] and got["runner"] == ["Model Runner V2"]
-    worker = {"microbatched_forwards": 90, "forwards": 120, "checked_reads": 40, "bad_reads": 0}
+    worker = {
+        "microbatched_forwards": 90,
+        "forwards": 120,
+        "checked_reads": 40,
+        "bad_reads": 0,
+        "past_workspace_steps": 3,
+    }
     assert got["workers"] == [worker, worker]
     assert got["spec_decode"] == {
         "drafts": 300.0,

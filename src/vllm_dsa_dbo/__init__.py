@@ -33,12 +33,9 @@ def _register(logger: logging.Logger) -> None:
     except EnvValueError as e:
         logger.error("vllm-dsa-dbo: %s. The isolation checker stays off.", e)
         check = None
-    try:
-        settings.ubatch_layout()
-    except EnvValueError as e:
-        logger.error(
-            "vllm-dsa-dbo: %s. A DBO model with shared top-k stops at load with this error.", e
-        )
+    retired = settings.retired_layout_notice()
+    if retired:
+        logger.warning("vllm-dsa-dbo: %s.", retired)
     try:
         mode = settings.disable_mode()
     except EnvValueError as e:

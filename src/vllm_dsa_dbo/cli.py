@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING
 
 from vllm_dsa_dbo.diagnostics.layout import (
     GROUPS,
-    LOGICAL,
     PLATFORMS,
     REFUSED,
     UNSHARED,
@@ -29,10 +28,7 @@ from vllm_dsa_dbo.diagnostics.layout import (
 )
 from vllm_dsa_dbo.settings import (
     CHECK_ENV,
-    COPIES,
     DISABLE_ENV,
-    LAYOUT_ENV,
-    OFFSETS,
     REFUSE,
     RELEASES,
     STOCK,
@@ -41,7 +37,7 @@ from vllm_dsa_dbo.settings import (
     check_mode,
     disable_mode,
     is_supported_vllm,
-    ubatch_layout,
+    retired_layout_notice,
 )
 
 if TYPE_CHECKING:
@@ -162,7 +158,9 @@ def status(args: argparse.Namespace) -> int:
             problems.append(f"{DISABLE_ENV} is set")
         print(f"{DISABLE_ENV}: {env_shown(DISABLE_ENV)} ({meaning})")
     print(check)
-    print(layout_line(errors))
+    retired = retired_layout_notice()
+    if retired:
+        print(retired)
     if inspect_vllm:
         # Importing vLLM's DeepSeek-V4.1 code starts two kernel builds, each a Python process
         # importing torch, which take the CPU and which this process waits for at exit.
@@ -294,20 +292,6 @@ def check_line(errors: list[str]) -> tuple[str | None, str]:
     return mode, f"{CHECK_ENV}: {env_shown(CHECK_ENV)} (isolation checker {state})"
 
 
-def layout_line(errors: list[str]) -> str:
-    """The status line for VLLM_DSA_DBO_LAYOUT; a value it does not know goes to `errors`."""
-    try:
-        chosen = ubatch_layout()
-    except EnvValueError as e:
-        errors.append(f"{e}; a DBO model with shared top-k stops at load with this error")
-        return f"{LAYOUT_ENV}: {env_shown(LAYOUT_ENV)} NOT understood"
-    where = {
-        COPIES: "copies of their own",
-        OFFSETS: "microbatch 0's buffers from their token offset (being proven)",
-    }[chosen]
-    return f"{LAYOUT_ENV}: {env_shown(LAYOUT_ENV)} (microbatches 1.. keep top-k in {where})"
-
-
 # memory ---------------------------------------------------------------------
 
 
@@ -341,11 +325,6 @@ def read_json(path: Path) -> object:
 
 
 def memory(args: argparse.Namespace) -> int:
-    try:
-        chosen = args.layout or ubatch_layout()
-    except EnvValueError as e:
-        raise UsageError(str(e)) from None
-    at_token_offset = chosen == OFFSETS
     source, model = load_config(args)
     followed = model.groups_with_followers
     max_decode_rows = min(
@@ -354,12 +333,8 @@ def memory(args: argparse.Namespace) -> int:
     extra_ubatches = args.num_ubatches - 1
     k, tokens = model.index_topk, args.max_num_batched_tokens
     per_ubatch = ubatch_topk_bytes_per_extra_ubatch(
-        max_num_batched_tokens=tokens,
         max_decode_rows=max_decode_rows,
-        index_topk=k,
-        groups_with_followers=followed if model.path.copies in (GROUPS, LOGICAL) else 0,
-        logical_only=model.path.copies == LOGICAL,
-        at_token_offset=at_token_offset,
+        groups_with_followers=followed if model.path.kept == GROUPS else 0,
     ) + sum(tokens * columns * 4 for _, columns in model.buffers)
     refused = model.refused_under_dbo and extra_ubatches > 0
     if extra_ubatches == 0:
@@ -369,12 +344,12 @@ def memory(args: argparse.Namespace) -> int:
             f"{REFUSED}: with --enable-dbo every worker stops at model load with a message, "
             "since the plugin does not keep this path's shared top-k per microbatch"
         )
-    elif model.path.copies == UNSHARED:
+    elif model.path.kept == UNSHARED:
         verdict = UNSHARED
     elif not model.followers:
         verdict = "no layer reuses another's top-k: nothing allocated"
     else:
-        verdict = f"allocated at model load: {model.path.copies}"
+        verdict = f"allocated at model load: {model.path.kept}"
     report = {
         "model": source,
         "architecture": model.architecture,
@@ -390,7 +365,6 @@ def memory(args: argparse.Namespace) -> int:
         "max_num_batched_tokens": tokens,
         "max_decode_rows": max_decode_rows,
         "num_ubatches": args.num_ubatches,
-        "layout": chosen,
         "verdict": verdict,
         "notes": model.notes,
         "bytes_per_extra_ubatch": None if refused else per_ubatch,
@@ -416,22 +390,19 @@ def memory(args: argparse.Namespace) -> int:
     print(
         f"extra bytes per GPU per extra microbatch: {per_ubatch:,} ({per_ubatch / 2**20:.1f} MiB)"
     )
-    at_offset = "microbatch 0's, from the token offset: 0"
-    for name, columns in model.buffers or (("logical top-k buffer", k),):
-        copied = f"{tokens} x {columns} x 4 = {tokens * columns * 4:,}"
-        print(f"  {name:<22} {at_offset if at_token_offset and not model.buffers else copied}")
-    if model.path.copies == GROUPS:
+    for name, columns in model.buffers:
+        print(f"  {name:<22} {tokens} x {columns} x 4 = {tokens * columns * 4:,}")
+    if model.path.kept == GROUPS:
         rows = max_decode_rows + 1
+        at_offset = "microbatch 0's, from the token offset: 0"
         print(
             f"  index groups with followers: G = {followed}; max_decode_rows = "
             f"min({tokens}, {args.max_num_seqs} x {1 + args.num_speculative_tokens}) = "
             f"{max_decode_rows}"
         )
-        physical = f"{followed} x {rows} x {k} x 4 = {followed * rows * k * 4:,}"
-        print(f"  physical top-k rows    {at_offset if at_token_offset else physical}")
+        print(f"  logical top-k buffer   {at_offset}")
+        print(f"  physical top-k rows    {at_offset}")
         print(f"  valid counts           {followed} x {rows} x 4 = {followed * rows * 4:,}")
-    elif model.path.copies == LOGICAL:
-        print(f"  ({model.path.copies})")
     print(
         f"microbatches: {args.num_ubatches}, so {extra_ubatches} extra: "
         f"{report['bytes_total']:,} bytes ({report['bytes_total'] / 2**20:.1f} MiB) per GPU, "
@@ -587,12 +558,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--platform",
         choices=PLATFORMS,
         default="cuda",
-        help="the GPU platform vLLM runs on: its code path (and so the copies) differ",
-    )
-    p.add_argument(
-        "--layout",
-        choices=(COPIES, OFFSETS),
-        help=f"where microbatches 1.. keep top-k (default: {LAYOUT_ENV}'s, else {COPIES})",
+        help="the GPU platform vLLM runs on: its code path (and so what is kept) differ",
     )
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.set_defaults(func=memory)

@@ -3,9 +3,18 @@ microbatch, its allocation; patches nothing.
 
 A leader layer writes the logical top-k and its index group converts it to physical
 top-k once; follower layers read both later. DBO interleaves the microbatches between
-a leader and its followers, so every microbatch after the first needs its own state:
-copies of the buffers, or (layout "offsets") microbatch 0's buffers from the calling
-microbatch's first row in the whole batch, as vLLM's routed-experts capturer does.
+a leader and its followers, so every microbatch after the first needs state of its own:
+it reads and writes microbatch 0's buffers from its first row in the whole batch
+(`dbo_current_ubatch_token_offset()`, as vLLM's routed-experts capturer does), and keeps
+its own ready events and valid counts. Only those counts are allocated.
+
+Rows past a microbatch's own are safe only in DBO's order. The indexer's padded decode
+path (and ROCm's sparse path) fills `topk_indices_buffer[:num_padded_tokens]`, so
+microbatch k's padding lands in microbatch k+1's rows; that is harmless because DBO's
+yields never let microbatch k run its next leader before microbatch k+1's followers of
+the previous leader have read (every layer from the first MoE one yields, and the
+dense layers before it run before microbatch k+1 starts).
+
 The upstream change has the same parts in vLLM's shape (docs/UPSTREAM.md):
 `topk_state` is `SparseMLAIndexGroup._topk_state()`, `resolve_logical_topk` is
 `ubatch_logical_topk_indices()`, `init_builder_state` / `add_layer_state` are the
@@ -23,8 +32,6 @@ import torch
 from torch.compiler import is_dynamo_compiling
 from vllm.v1.worker import ubatching
 from vllm.v1.worker.ubatching import dbo_current_ubatch_token_offset
-
-from vllm_dsa_dbo import settings
 
 if TYPE_CHECKING:
     from vllm.v1.attention.backends.mla.index_group import (
@@ -55,29 +62,9 @@ def current_ubatch_id() -> int:
 
 @dataclass
 class UbatchTopkState:
-    """One extra microbatch's copy of a follower-bearing group's top-k state."""
-
-    physical_topk_indices: torch.Tensor
-    valid_topk_counts: torch.Tensor
-    logical_topk_ready: torch.Event
-    physical_topk_ready: torch.Event
-
-    @classmethod
-    def like(cls, group: SparseMLAIndexGroup) -> UbatchTopkState:
-        """Buffers shaped like microbatch 0's; events like the group's own."""
-        return cls(
-            physical_topk_indices=torch.empty_like(group.physical_topk_indices),
-            valid_topk_counts=torch.empty_like(group.valid_topk_counts),
-            logical_topk_ready=torch.Event(),
-            physical_topk_ready=torch.Event(),
-        )
-
-
-@dataclass
-class UbatchTopkAtOffset:
-    """One extra microbatch's top-k state that converts into microbatch 0's rows from its
-    token offset on. Its valid counts stay its own (kilobytes): from an odd row they
-    would be only 4-byte aligned for the kernels that read them."""
+    """One extra microbatch's converted top-k state: microbatch 0's rows from its token
+    offset on, and its own counts and events. The counts are not shared: from an odd row
+    they would be only 4-byte aligned for the kernels that read them."""
 
     rows: torch.Tensor
     valid_topk_counts: torch.Tensor
@@ -90,7 +77,7 @@ class UbatchTopkAtOffset:
         return self.rows[offset:] if offset else self.rows
 
     @classmethod
-    def like(cls, group: SparseMLAIndexGroup) -> UbatchTopkAtOffset:
+    def like(cls, group: SparseMLAIndexGroup) -> UbatchTopkState:
         """Microbatch 0's rows; counts shaped like its own; events like the group's."""
         return cls(
             rows=group.physical_topk_indices,
@@ -110,41 +97,31 @@ UBATCH_TOPK_FIELDS = (
 
 @dataclass(eq=False)
 class UbatchLogicalTopk:
-    """The logical top-k buffers of microbatches 1.. that one builder's groups share, set
-    at its first follower: copies, or (`at_token_offset`) microbatch 0's buffer itself."""
+    """The logical top-k buffer one builder's groups share, which microbatches 1.. read and
+    write from their token offset once a group has followers (`followed`)."""
 
     buffer: torch.Tensor
     num_ubatches: int
-    buffers: tuple[torch.Tensor, ...] = ()
-    at_token_offset: bool = False
+    followed: bool = False
 
-    def allocate(self) -> None:
-        """One buffer per extra microbatch, once, in the layout VLLM_DSA_DBO_LAYOUT names."""
-        if not self.buffers:
-            self.at_token_offset = settings.ubatch_layout() == settings.OFFSETS
-            extra = range(self.num_ubatches - 1)
-            if self.at_token_offset:
-                self.buffers = tuple(self.buffer for _ in extra)
-            else:
-                self.buffers = tuple(torch.empty_like(self.buffer) for _ in extra)
+    def ubatch_rows(self) -> torch.Tensor:
+        """The calling microbatch's rows: the buffer from its token offset."""
+        return self.buffer[dbo_current_ubatch_token_offset() :]
 
-    def of_ubatch(self, ubatch_id: int) -> torch.Tensor:
-        """Microbatch `ubatch_id`'s buffer (1..), from its token offset where shared."""
-        buffer = self.buffers[ubatch_id - 1]
-        return buffer[dbo_current_ubatch_token_offset() :] if self.at_token_offset else buffer
-
-    # A sequence by microbatch id, microbatch 0's first, once allocated: the upstream change's
-    # shape, so that a vLLM carrying it resolves these buffers through its own group's lookup.
+    # A sequence by microbatch id, microbatch 0's first, once followed: the upstream change's
+    # shape, so that a vLLM carrying it resolves this buffer through its own group's lookup.
     def __len__(self) -> int:
-        return len(self.buffers) + 1 if self.buffers else 0
+        return self.num_ubatches if self.followed else 0
 
     def __getitem__(self, ubatch_id: int) -> torch.Tensor:
-        return self.of_ubatch(ubatch_id) if ubatch_id else self.buffer
+        if not 0 <= ubatch_id < len(self):
+            raise IndexError(ubatch_id)
+        return self.ubatch_rows() if ubatch_id else self.buffer
 
 
 def topk_state(
     group: SparseMLAIndexGroup,
-) -> SparseMLAIndexGroup | UbatchTopkState | UbatchTopkAtOffset:
+) -> SparseMLAIndexGroup | UbatchTopkState:
     """The group itself for microbatch 0, else that microbatch's extra state (groups without
     followers have none: they write and read within one layer, with no yield between)."""
     ubatch_id = current_ubatch_id()
@@ -162,7 +139,7 @@ def extra_topk_states(group: Any) -> list[Any]:
 
 
 class UbatchTopkField:
-    """Group attribute resolving to the calling microbatch's copy, so vLLM's methods reading
+    """Group attribute resolving to the calling microbatch's state, so vLLM's methods reading
     it run unchanged; traced code sees microbatch 0's (Dynamo cannot trace the lookup)."""
 
     def __init__(self, name: str) -> None:
@@ -209,9 +186,9 @@ def resolve_logical_topk(
     extra = group.ubatch_logical_topk
     if type(extra) is not UbatchLogicalTopk:  # vLLM's own list, microbatch 0's first
         return extra[ubatch_id] if extra and buffer is extra[0] else buffer
-    if not extra.buffers or buffer is not extra.buffer:
+    if not extra.followed or buffer is not extra.buffer:
         return buffer
-    return extra.of_ubatch(ubatch_id)
+    return extra.ubatch_rows()
 
 
 def init_builder_state(builder: SparseMLAIndexGroupBuilder, num_ubatches: int) -> None:
@@ -225,17 +202,15 @@ def init_builder_state(builder: SparseMLAIndexGroupBuilder, num_ubatches: int) -
 def add_layer_state(
     builder: SparseMLAIndexGroupBuilder, group: SparseMLAIndexGroup, layer_index: int
 ) -> None:
-    """Give `group`, just registered at `layer_index`, what its microbatches need: copies
-    of its state and the logical buffers at its first follower, with several microbatches."""
+    """Give `group`, just registered at `layer_index`, what its microbatches need: their
+    state, and the logical buffer per microbatch, at its first follower with several."""
     if layer_index == 0:
         group.num_ubatches = builder.num_ubatches
         group.ubatch_logical_topk = builder.ubatch_logical_topk
     elif layer_index == 1 and builder.num_ubatches > 1:
-        logical = builder.ubatch_logical_topk
-        logical.allocate()
-        state_cls = UbatchTopkAtOffset if logical.at_token_offset else UbatchTopkState
+        builder.ubatch_logical_topk.followed = True
         group.ubatch_topk_states = tuple(
-            state_cls.like(group) for _ in range(builder.num_ubatches - 1)
+            UbatchTopkState.like(group) for _ in range(builder.num_ubatches - 1)
         )
 
 
@@ -289,7 +264,7 @@ def share_ubatch_logical_topk(
 
     `groups`: every sparse layer's; `leaders`: each leader's (indexer op, group). Such
     groups convert and read their physical top-k within one layer: only the logical
-    buffer needs copies. Wires nothing (and the loader refuses the model under DBO)
+    buffer is resolved per microbatch. Wires nothing (and the loader refuses the model under DBO)
     unless several microbatches run, some layer reuses another's top-k, all groups share
     one buffer and every leader's op resolves through its group.
     """
@@ -303,8 +278,7 @@ def share_ubatch_logical_topk(
         return
     if not all(hasattr(op, "index_group") for op, _ in leaders):
         return
-    extra = UbatchLogicalTopk(buffer, num_ubatches)
-    extra.allocate()
+    extra = UbatchLogicalTopk(buffer, num_ubatches, followed=True)
     for group in groups:
         group.ubatch_logical_topk = extra
         group.leader_writes_follow_impl = True

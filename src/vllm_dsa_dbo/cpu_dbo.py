@@ -13,7 +13,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -167,11 +167,14 @@ def run_dbo_step(step: Callable[[int], None], num_ubatches: int = 2, stream: obj
 INDEX_TOPK = 128
 BLOCK_SIZE = 64
 MAX_NUM_BATCHED_TOKENS = 32
-MAX_DECODE_ROWS = 8
 QK_ROPE_HEAD_DIM = 64
 # Different lengths and requests per microbatch, so a wrong read shows.
 TOKENS_PER_UBATCH = (6, 4)
 REQS_PER_UBATCH = (2, 3)
+# vLLM's converted rows hold a whole decode step, so each microbatch fits from its offset.
+MAX_DECODE_ROWS = sum(TOKENS_PER_UBATCH)
+# What a leader's padded decode rows hold (a valid top-k entry, no leader's).
+PADDING = 0
 
 
 @dataclass(frozen=True)
@@ -342,22 +345,43 @@ class SharedTopkStack:
         self.attns[layer].topk_indices_buffer[: logical.shape[0]] = logical
         self.impls[layer].record_logical_topk_ready()
 
-    def run_step(self, yield_from_layer: int = 0, stream: object = None) -> list[Read]:
-        """One DBO step, yielding after each layer from `yield_from_layer` on (the MoE's)."""
-        return self.classify(self.run_reads(yield_from_layer, stream))
+    def pad(self, layer: int, rows: int, padding: int) -> None:
+        """`padding` rows past a leader's own `rows`, as the indexer's padded decode path
+        fills them."""
+        self.attns[layer].topk_indices_buffer[rows : rows + padding] = PADDING
+
+    def run_step(
+        self,
+        yield_from_layer: int = 0,
+        stream: object = None,
+        *,
+        padding: int = 0,
+        yield_after: Collection[int] | None = None,
+    ) -> list[Read]:
+        """One DBO step, yielding after each layer from `yield_from_layer` on (the MoE's), or
+        after the layers `yield_after` names; each leader writes `padding` rows past its own."""
+        return self.classify(self.run_reads(yield_from_layer, stream, padding, yield_after))
 
     def run_reads(
-        self, yield_from_layer: int = 0, stream: object = None
+        self,
+        yield_from_layer: int = 0,
+        stream: object = None,
+        padding: int = 0,
+        yield_after: Collection[int] | None = None,
     ) -> dict[tuple[int, int], tuple[torch.Tensor, ...]]:
         """The step itself: what each (layer, microbatch) read."""
         raw: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+        if yield_after is None:
+            yield_after = range(yield_from_layer, len(self.leaders))
 
         def step(ubatch: int) -> None:
             for layer, leads in enumerate(self.leaders):
                 if leads:
                     self.lead(layer, self.inputs[ubatch, layer])
+                    if padding:
+                        self.pad(layer, TOKENS_PER_UBATCH[ubatch], padding)
                 raw[layer, ubatch] = self._read(layer, ubatch)
-                if layer >= yield_from_layer:
+                if layer in yield_after:
                     dbo_yield()
 
         run_dbo_step(step, stream=stream)

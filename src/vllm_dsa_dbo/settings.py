@@ -14,11 +14,9 @@ SUPPORTED_VLLM = " and ".join(RELEASES)
 DISABLE_ENV = "VLLM_DSA_DBO_DISABLE"
 CHECK_ENV = "VLLM_DSA_DBO_CHECK"
 CHECK_MODES = ("raise", "audit")
-LAYOUT_ENV = "VLLM_DSA_DBO_LAYOUT"
-# Where microbatches 1.. keep a group's top-k: copies of their own, or microbatch 0's
-# buffers read at their token offset (being proven: issue #53).
-COPIES = "copies"
-OFFSETS = "offsets"
+# Chose between two layouts of microbatches 1..'s top-k before the token-offset one became
+# the only one: set, it is reported as no longer read.
+RETIRED_LAYOUT_ENV = "VLLM_DSA_DBO_LAYOUT"
 # Under "vllm." so that lines carry vLLM's log format and level.
 LOGGER_NAME = "vllm.dsa_dbo"
 
@@ -68,10 +66,14 @@ def check_mode() -> str | None:
     return env_choice(CHECK_ENV, CHECK_MODES, "turn the checker on")
 
 
-def ubatch_layout() -> str:
-    """The layout VLLM_DSA_DBO_LAYOUT asks for, COPIES when unset; EnvValueError for another."""
-    choice = env_choice(LAYOUT_ENV, (COPIES, OFFSETS), "choose where microbatches 1.. keep top-k")
-    return choice or COPIES
+def retired_layout_notice() -> str | None:
+    """What to say of a RETIRED_LAYOUT_ENV still set in the environment; None when unset."""
+    if RETIRED_LAYOUT_ENV not in os.environ:
+        return None
+    return (
+        f"{RETIRED_LAYOUT_ENV}={os.environ[RETIRED_LAYOUT_ENV]!r} is no longer read: "
+        "microbatches 1.. always read microbatch 0's top-k buffers from their token offset"
+    )
 
 
 def release_of(version: str) -> str | None:

@@ -454,6 +454,7 @@ def _microbatched(runner: str, call):
             ""
             if checker is None
             else f"; checker {checker.checked_reads} reads, {sum(checker.violations.values())} bad"
+            f", {checker.past_workspace_steps} steps past the workspace"
         )
         gates = f"; harness gates: {', '.join(GATES)}" if GATES else ""
         variants = f"; variant: {', '.join(VARIANTS)}" if VARIANTS else ""

@@ -40,14 +40,21 @@ ARMS = (
     "mtp_off",
     "mtp_stock",
     "mtp_fix",
-    "offsets",
-    "offsets_check",
     "mtp3_off",
-    "mtp3_offsets",
+    "mtp3_off_b",
+    "mtp3_fix",
+)
+# What each worker's last harness line counts (HARNESS_LINE's groups, in order).
+WORKER_COUNTS = (
+    "microbatched_forwards",
+    "forwards",
+    "checked_reads",
+    "bad_reads",
+    "past_workspace_steps",
 )
 HARNESS_LINE = re.compile(
     r"dsa_dbo_harness: (\d+) microbatched forwards(?: of (\d+))?"
-    r"(?:; checker (\d+) reads, (\d+) bad)?"
+    r"(?:; checker (\d+) reads, (\d+) bad(?:, (\d+) steps past the workspace)?)?"
 )
 # What the same line names since vLLM 0.34.0's harness port: the runner and the release.
 RUNNER_LINE = re.compile(r"dsa_dbo_harness: .*?; (V1 runner|Model Runner V2), vLLM (\S+?)[;\s]")
@@ -92,9 +99,10 @@ def agreeing(run: dict[int, str], reference: dict[int, str]) -> int:
     return sum(run[q] == reference[q] for q in reference)
 
 
-def harness_counts(table: Path, name: str) -> list[tuple[int, int | None, int | None, int | None]]:
-    """Per rank, the last (microbatched forwards, forwards, checked reads, bad reads) its worker
-    logged; ranks whose worker logged no microbatched forward are left out."""
+def harness_counts(table: Path, name: str) -> list[tuple[int | None, ...]]:
+    """Per rank, the last (microbatched forwards, forwards, checked reads, bad reads, steps
+    past the workspace) its worker logged; ranks whose worker logged no microbatched forward
+    are left out."""
     counts = []
     for log in (table / f"{name}.rank{rank}.log" for rank in (0, 1)):
         found = HARNESS_LINE.findall(log.read_text()) if log.is_file() else []
@@ -149,10 +157,7 @@ def spec_decode(table: Path, name: str) -> dict[str, float] | None:
 
 def record(table: Path, name: str, mode: str) -> dict:
     """What serve_table.sh keeps of one arm as ARM.json."""
-    workers = [
-        dict(zip(("microbatched_forwards", "forwards", "checked_reads", "bad_reads"), counts))
-        for counts in harness_counts(table, name)
-    ]
+    workers = [dict(zip(WORKER_COUNTS, counts)) for counts in harness_counts(table, name)]
     named = runners(table, name)
     return {
         "arm": name,

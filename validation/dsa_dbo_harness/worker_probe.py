@@ -38,6 +38,7 @@ def snapshot(worker) -> dict:
         else {
             "mode": checker.mode,
             "checked_reads": checker.checked_reads,
+            "past_workspace_steps": checker.past_workspace_steps,
             "violations": sum(checker.violations.values()),
             "violating_pairs": sorted(" -> ".join(k) for k in checker.violations),
         },

@@ -2,8 +2,10 @@
 
 `VLLM_DSA_DBO_CHECK=raise` raises at the first bad read; `audit` logs each (writer,
 reader, state) once and counts every bad read, so it can audit stock vLLM with the fix
-off. Unset, nothing is installed. Host-side bookkeeping at the hand-offs (`PATCHES`,
-applied only when it is on): each write (a leader's `record_logical_topk_ready()`, a
+off. Either mode also counts the steps in which a microbatch converted its top-k per
+layer because its rows ran past a group's converted rows from its token offset. Unset,
+nothing is installed. Host-side bookkeeping at the hand-offs (`PATCHES`, applied only
+when it is on): each write (a leader's `record_logical_topk_ready()`, a
 group's `_convert_once()` at layer 0, a DeepSeek-V4.1 index or candidate source) stamps
 the state object with the microbatch and the step's forward context; each read inside a
 forward compares. Eager steps and CUDA-graph capture run Python, so both are checked; a
@@ -46,6 +48,8 @@ class IsolationChecker:
         self.mode = mode
         self.violations: Counter[tuple[str, str, str]] = Counter()
         self.checked_reads = 0
+        self.past_workspace_steps = 0
+        self._past_workspace_step: dict[int, int | None] = {}
         self._last_write: dict[int, tuple[Any, Stamp]] = {}
         self._group_names: dict[int, str] = {}
         self._steps = itertools.count()
@@ -101,6 +105,15 @@ class IsolationChecker:
         if self.violations[key] == 1:
             settings.logger().warning("microbatch isolation violated: %s", message)
 
+    def past_workspace(self) -> None:
+        """The calling microbatch converts per layer in this step, where from row 0 it would
+        have converted once for its group."""
+        stamp = self._stamp("")
+        with self._lock:
+            if self._past_workspace_step.get(stamp.ubatch, -1) != stamp.step:
+                self._past_workspace_step[stamp.ubatch] = stamp.step
+                self.past_workspace_steps += 1
+
 
 def _key(obj: Any) -> tuple[bool, int]:
     """A tensor by the address of its first row (layout "offsets" hands out a new view of
@@ -133,7 +146,10 @@ def _check_index_group(target: ModuleType) -> None:
         self: Any, layer_index: int, logical_topk_indices: Any, *args: Any, **kwargs: Any
     ) -> Any:
         state = state_of(self)
-        cached = logical_topk_indices.shape[0] <= state.physical_topk_indices.shape[0]
+        num_tokens = logical_topk_indices.shape[0]
+        cached = num_tokens <= state.physical_topk_indices.shape[0]
+        if not cached and layer_index == 0 and num_tokens <= _workspace_rows(state):
+            checker.past_workspace()
         if cached and layer_index > 0:
             layer = checker.layer(self, layer_index)
             checker.read(layer, "physical top-k", state.physical_topk_indices)
@@ -150,6 +166,11 @@ def _check_index_group(target: ModuleType) -> None:
         return out
 
     group_cls._convert_once = _convert_once
+
+
+def _workspace_rows(state: Any) -> int:
+    """A group's converted rows from row 0 (an extra microbatch's state holds them whole)."""
+    return getattr(state, "rows", state.physical_topk_indices).shape[0]
 
 
 def _check_sparse_mla_attention(target: ModuleType) -> None:

@@ -18,10 +18,10 @@ from typing import Any
 from vllm_dsa_dbo.settings import RELEASES, SUPPORTED_VLLM, release_of
 
 # What the plugin keeps per extra microbatch on a code path whose layers share top-k.
-GROUPS = "logical top-k buffer, and per index group with followers its physical top-k"
-LOGICAL = "logical top-k buffer only (followers build private single-layer groups)"
+GROUPS = "per index group with followers, its valid counts (top-k rows at the token offset)"
+LOGICAL = "nothing (followers build private single-layer groups; top-k at the token offset)"
 REFUSED = "refused under DBO"
-MODEL_WIDE = "each model-wide buffer a layer reads from another (top-k, candidate blocks)"
+MODEL_WIDE = "a copy of each model-wide buffer another layer reads (top-k, candidate blocks)"
 UNSHARED = "nothing: every sparse layer runs its own indexer"
 
 # No model has more; a bound keeps a mistyped count from running for hours.
@@ -38,7 +38,7 @@ class CodePath:
 
     module: str
     rule: str | None  # a key of _RULE_CHECKS; None: nothing shared
-    copies: str
+    kept: str
 
 
 _V32 = {
@@ -158,7 +158,7 @@ class Layout:
 
     @property
     def refused_under_dbo(self) -> bool:
-        return self.path.copies == REFUSED and bool(self.followers)
+        return self.path.kept == REFUSED and bool(self.followers)
 
 
 # Checks ---------------------------------------------------------------------
@@ -520,7 +520,7 @@ def layout(path: CodePath, text: dict) -> Layout:
         followers = _FOLLOWERS[path.rule](text)
     if release_of(VLLM_VERSION or "") is None:
         notes.append(f"vLLM {VLLM_VERSION} is none of {SUPPORTED_VLLM}: read by {RELEASE}'s rules")
-    if path.copies == GROUPS:
+    if path.kept == GROUPS:
         groups = groups_with_followers([i not in followers for i in range(num_layers)])
     else:
         groups = len(followers)
@@ -543,25 +543,8 @@ def groups_with_followers(leaders: list[bool]) -> int:
     return sum(end - start > 1 for start, end in zip(starts, [*starts[1:], len(leaders)]))
 
 
-def ubatch_topk_bytes_per_extra_ubatch(
-    *,
-    max_num_batched_tokens: int,
-    max_decode_rows: int,
-    index_topk: int,
-    groups_with_followers: int,
-    logical_only: bool = False,
-    at_token_offset: bool = False,
-) -> int:
-    """Extra bytes per GPU per extra microbatch, as `core.add_layer_state` allocates (int32):
-    the logical buffer, plus per group with followers `max_decode_rows + 1` physical rows
-    and valid counts; `logical_only` (HYV4, ROCm DSA): as `share_ubatch_logical_topk`;
-    `at_token_offset` (layout "offsets"): the valid counts only."""
-    if groups_with_followers == 0 or (logical_only and at_token_offset):
-        return 0
-    if logical_only:
-        return 4 * max_num_batched_tokens * index_topk
-    rows = max_decode_rows + 1
-    if at_token_offset:
-        return 4 * groups_with_followers * rows
-    index_bytes = (max_num_batched_tokens + groups_with_followers * rows) * index_topk
-    return 4 * (index_bytes + groups_with_followers * rows)
+def ubatch_topk_bytes_per_extra_ubatch(*, max_decode_rows: int, groups_with_followers: int) -> int:
+    """Extra bytes per GPU per extra microbatch, as `core.add_layer_state` allocates: per
+    group with followers, `max_decode_rows + 1` int32 valid counts (the top-k rows are
+    microbatch 0's)."""
+    return 4 * groups_with_followers * (max_decode_rows + 1)

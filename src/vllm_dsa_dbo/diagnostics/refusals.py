@@ -36,32 +36,30 @@ def reads_another_layers_topk(group: SparseMLAIndexGroup) -> bool:
 
 
 def extra_logical_topk(group: Any) -> list[torch.Tensor]:
-    """The logical top-k buffers `group` holds for microbatches 1..: the plugin's, or those
-    of a vLLM that carries the upstream change (a list, microbatch 0's first)."""
+    """The logical top-k buffers `group` resolves for microbatches 1..: the plugin's, or those
+    of a vLLM that carries the upstream change (a sequence, microbatch 0's first)."""
     extra = getattr(group, "ubatch_logical_topk", None)
-    if extra is None:
-        return []
-    return list(extra.buffers) if hasattr(extra, "buffers") else list(extra)[1:]
+    return [] if extra is None else list(extra)[1:]
 
 
-def has_logical_copies(group: SparseMLAIndexGroup) -> bool:
-    """Whether `group` holds extra microbatches' logical buffers."""
+def keeps_logical_per_ubatch(group: SparseMLAIndexGroup) -> bool:
+    """Whether `group` resolves its logical buffer for extra microbatches."""
     return bool(extra_logical_topk(group))
 
 
 def followed_groups(groups: list[SparseMLAIndexGroup]) -> list[SparseMLAIndexGroup]:
-    """The groups that read another layer's top-k and have microbatch copies
+    """The groups that read another layer's top-k and keep it per microbatch
     (a group with followers, or a single-layer follower group of HYV4 / ROCm DSA)."""
-    return [g for g in groups if has_logical_copies(g) and reads_another_layers_topk(g)]
+    return [g for g in groups if keeps_logical_per_ubatch(g) and reads_another_layers_topk(g)]
 
 
 def shares_topk_across_ubatches(group: SparseMLAIndexGroup) -> bool:
     """Whether, under DBO, a layer of `group` (with followers, or a follower's own) would read
-    a top-k another layer wrote into state without per-microbatch copies its leader writes."""
+    a top-k another layer wrote into state its leader's writers do not keep per microbatch."""
     if group.num_ubatches < 2 or not reads_another_layers_topk(group):
         return False
-    copied = group.ubatch_topk_states if group.num_layers > 1 else has_logical_copies(group)
-    return not (copied and group.leader_writes_follow_impl)
+    kept = group.ubatch_topk_states if group.num_layers > 1 else keeps_logical_per_ubatch(group)
+    return not (kept and group.leader_writes_follow_impl)
 
 
 def left_shared(group: Any, num_ubatches: int) -> bool:
@@ -70,7 +68,7 @@ def left_shared(group: Any, num_ubatches: int) -> bool:
 
     A vLLM that carries the upstream change keeps a group's state in `ubatch_topk`, one entry
     per microbatch, where its model passed the count: its own fixed writers', or those the
-    mla patch wires. A follower's private group (HYV4, ROCm DSA) needs only logical copies
+    mla patch wires. A follower's private group (HYV4, ROCm DSA) needs only a logical buffer
     its leader's writers resolve, in either form."""
     if hasattr(group, "ubatch_topk"):
         if num_ubatches < 2 or not reads_another_layers_topk(group):

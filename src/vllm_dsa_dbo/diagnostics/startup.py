@@ -8,8 +8,8 @@ from vllm_dsa_dbo.core import extra_topk_states
 from vllm_dsa_dbo.diagnostics.refusals import (
     extra_logical_topk,
     followed_groups,
-    has_logical_copies,
     index_groups,
+    keeps_logical_per_ubatch,
     sparse_mla_backend,
 )
 from vllm_dsa_dbo.ubatch_buffers import stored_buffer, ubatch_copies
@@ -20,19 +20,23 @@ if TYPE_CHECKING:
 
 
 def ubatch_topk_bytes(groups: list[SparseMLAIndexGroup]) -> int:
-    """Bytes allocated for extra microbatches across `groups`: their tensors, once each, less
-    microbatch 0's that they share (layout "offsets" reads those at a token offset)."""
+    """Bytes allocated for extra microbatches across `groups`: the storage of their tensors,
+    once each, less microbatch 0's, whose rows they read from their token offset."""
     ubatch0 = {
-        id(t)
+        _storage(t)
         for g in groups
         for t in (g.logical_topk_indices, g.physical_topk_indices, g.valid_topk_counts)
     }
-    extra = {id(t): t for g in groups for t in extra_logical_topk(g)}
+    extra = {_storage(t): t for g in groups for t in extra_logical_topk(g)}
     for group in groups:
         for state in extra_topk_states(group):
             for t in (state.physical_topk_indices, state.valid_topk_counts):
-                extra[id(t)] = t
-    return _bytes([t for key, t in extra.items() if key not in ubatch0])
+                extra[_storage(t)] = t
+    return sum(t.untyped_storage().nbytes() for key, t in extra.items() if key not in ubatch0)
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
 
 
 def _bytes(tensors: list[torch.Tensor]) -> int:
@@ -54,7 +58,7 @@ def copied_buffers(model: torch.nn.Module) -> list[torch.Tensor]:
 def describe(model: Any) -> str | None:
     """The startup line for `model`, or None when the fix allocated nothing."""
     name = type(model).__name__
-    copied = [g for g in index_groups(model) if has_logical_copies(g)]
+    copied = [g for g in index_groups(model) if keeps_logical_per_ubatch(g)]
     if copied:
         allocated = ubatch_topk_bytes(copied)
         copied_ids = {id(g) for g in copied}

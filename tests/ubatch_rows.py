@@ -1,5 +1,4 @@
-"""The two layouts of microbatches 1..'s top-k (VLLM_DSA_DBO_LAYOUT), for the tests that run
-each: where the harness's microbatch 1 finds it."""
+"""Where the harness's microbatch 1 finds its top-k: microbatch 0's rows from its offset."""
 
 from __future__ import annotations
 
@@ -16,6 +15,4 @@ def address(tensor: torch.Tensor) -> tuple[int, tuple[int, ...]]:
 
 def ubatch1_logical(extra: UbatchLogicalTopk) -> tuple[int, tuple[int, ...]]:
     """The address of `extra`'s logical top-k for microbatch 1 of `cpu_dbo.run_dbo_step`."""
-    if extra.at_token_offset:
-        return address(extra.buffer[TOKENS_PER_UBATCH[0] :])
-    return address(extra.buffers[0])
+    return address(extra.buffer[TOKENS_PER_UBATCH[0] :])
