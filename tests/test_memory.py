@@ -448,3 +448,44 @@ def test_memory_on_another_vllm_says_whose_rules_it_reads(capsys, monkeypatch):
     assert memory_report(capsys, GLM5_8)["notes"] == [
         f"vLLM 0.35.0 is none of {SUPPORTED_VLLM}: read by {RELEASE}'s rules"
     ]
+
+
+def converts_per_layer(
+    num_scheduled_tokens: list[int], per_seq: int, rows: int, decodes_only: bool
+) -> list[int]:
+    """The microbatches of a step, split as vLLM splits it, that convert per layer because
+    their rows run past a group's `rows + 1` converted rows from their token offset, where
+    from row 0 they would fit. A request of at most `per_seq` tokens decodes; `decodes_only`:
+    the backend converts only a microbatch of decodes through its group (SM90's FlashMLA and
+    FlashAttention MLA sparse)."""
+    import numpy as np
+    from vllm.v1.worker.ubatch_utils import maybe_create_ubatch_slices
+
+    tokens = np.array(num_scheduled_tokens)
+    _, slices = maybe_create_ubatch_slices(True, tokens, int(tokens.sum()), len(tokens), 2)
+    past = []
+    for ubatch, s in enumerate(slices):
+        decode = all(t <= per_seq for t in tokens[s.request_slice])
+        offset, n = s.token_slice.start, s.token_slice.stop - s.token_slice.start
+        if (decode or not decodes_only) and n <= rows + 1 < offset + n:
+            past.append(ubatch)
+    return past
+
+
+@pytest.mark.parametrize("draft", [0, 3])
+def test_glm53_steps_that_convert_per_layer(draft):
+    """At GLM-5.3's serving settings (8192 batched tokens, 1024 sequences), as OPERATORS.md
+    states: decode steps never; on SM90's backends no undivided step; on backends converting
+    mixed batches through their group, the mixed steps of R + 2 to 2 (R + 1) tokens."""
+    per_seq = 1 + draft
+    rows = min(8192, 1024 * per_seq)
+    for seqs in range(2, 1025):
+        assert converts_per_layer([per_seq] * seqs, per_seq, rows, decodes_only=False) == []
+    mixed_past = set()
+    for decodes in (0, 1, 64, 1000):
+        for prefill in range(per_seq + 1, 8193 - decodes * per_seq, 13):
+            step = [per_seq] * decodes + [prefill]
+            assert converts_per_layer(step, per_seq, rows, decodes_only=True) == []
+            if converts_per_layer(step, per_seq, rows, decodes_only=False):
+                mixed_past.add(sum(step))
+    assert min(mixed_past) >= rows + 2 and max(mixed_past) <= 2 * (rows + 1)

@@ -129,7 +129,7 @@ CHECKER: IsolationChecker | None = None
 
 
 def state_of(group: Any) -> Any:
-    """The state this microbatch uses: the fix's copy, or stock vLLM's one."""
+    """The state this microbatch uses: the fix's own, or stock vLLM's one."""
     return group._topk_state() if hasattr(group, "_topk_state") else group
 
 
@@ -276,7 +276,7 @@ PATCHES = (
         ),
         how=(
             f"{_ONLY_WHEN_ON}_convert_once stamps that state at layer 0 and checks it at a "
-            "follower, in the microbatch's copy with the fix, in the group's own without."
+            "follower, in the microbatch's state with the fix, in the group's own without."
         ),
         apply=_check_index_group,
     ),

@@ -58,21 +58,21 @@ def copied_buffers(model: torch.nn.Module) -> list[torch.Tensor]:
 def describe(model: Any) -> str | None:
     """The startup line for `model`, or None when the fix allocated nothing."""
     name = type(model).__name__
-    copied = [g for g in index_groups(model) if keeps_logical_per_ubatch(g)]
-    if copied:
-        allocated = ubatch_topk_bytes(copied)
-        copied_ids = {id(g) for g in copied}
+    kept = [g for g in index_groups(model) if keeps_logical_per_ubatch(g)]
+    if kept:
+        allocated = ubatch_topk_bytes(kept)
+        kept_ids = {id(g) for g in kept}
         backends = sorted(
             {
                 sparse_mla_backend(m)
                 for m in model.modules()
-                if id(getattr(getattr(m, "impl", None), "index_group", None)) in copied_ids
+                if id(getattr(getattr(m, "impl", None), "index_group", None)) in kept_ids
             }
         )
         return (
             f"vllm-dsa-dbo: {name} keeps shared top-k per DBO microbatch: "
-            f"{len(extra_logical_topk(copied[0])) + 1} microbatches, "
-            f"{len(followed_groups(copied))} index groups with followers, {allocated:,} bytes "
+            f"{len(extra_logical_topk(kept[0])) + 1} microbatches, "
+            f"{len(followed_groups(kept))} index groups with followers, {allocated:,} bytes "
             f"({allocated / 2**20:.1f} MiB) allocated; sparse MLA backend {', '.join(backends)}"
         )
     buffers = copied_buffers(model)

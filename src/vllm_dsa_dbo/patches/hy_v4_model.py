@@ -45,10 +45,11 @@ PATCH = Patch(
     ),
     how=(
         "Wraps HYV4Model.__init__: with several microbatches and a sparse layer "
-        "that reuses another's top-k, every sparse layer's group shares one extra "
-        "logical buffer per extra microbatch and each leader's indexer op "
-        "resolves through its group, so writers and readers pick the same copy. "
-        "The physical top-k is converted and read within one layer: no copies."
+        "that reuses another's top-k, every sparse layer's group reads the logical "
+        "buffer from the calling microbatch's token offset and each leader's "
+        "indexer op resolves through its group, so writers and readers pick the "
+        "same rows. The physical top-k is converted and read within one layer: "
+        "nothing allocated."
     ),
     upstream="none: vllm PR #60734 fixes only the deepseek_v32 path",
     remove_when="the vLLM release whose HYV4 keeps its logical top-k per DBO microbatch",

@@ -132,13 +132,13 @@ PATCH = Patch(
     ),
     how=(
         "SparseMLAIndexGroupBuilder takes num_ubatches (default: the current "
-        "config's) and allocates a UbatchTopkState per extra microbatch when a "
-        "group gets its first follower, plus one logical buffer per extra "
-        "microbatch per builder; the group's four state fields resolve to the "
-        "calling microbatch's copy, as _topk_state() does (microbatch 0's in code "
-        "torch.compile traces), so vLLM's "
-        "_convert_once and set_logical_topk_ready run unchanged. HiSparse "
-        "followers under DBO are refused at construction."
+        "config's) and gives a group, at its first follower, a UbatchTopkState per "
+        "extra microbatch: microbatch 0's rows from that microbatch's token offset, "
+        "its own valid counts and events; the builder's logical buffer is read the "
+        "same way. The group's four state fields resolve to the calling "
+        "microbatch's state, as _topk_state() does (microbatch 0's in code "
+        "torch.compile traces), so vLLM's _convert_once and set_logical_topk_ready "
+        "run unchanged. HiSparse followers under DBO are refused at construction."
     ),
     upstream=(
         "vllm PR #60734: SparseMLAIndexGroupBuilder(num_ubatches=...), "

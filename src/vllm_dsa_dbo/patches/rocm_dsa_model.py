@@ -47,11 +47,11 @@ PATCH = Patch(
     ),
     how=(
         "Wraps DeepseekV32Model.__init__: with several microbatches and a layer "
-        "that reuses another's top-k, every layer's group shares one extra "
-        "logical buffer per extra microbatch and each leader's indexer op "
-        "resolves through its group, so writers and readers pick the same copy. "
+        "that reuses another's top-k, every layer's group reads the logical buffer "
+        "from the calling microbatch's token offset and each leader's indexer op "
+        "resolves through its group, so writers and readers pick the same rows. "
         "The converted top-k lives in the attention metadata, which vLLM builds "
-        "per microbatch (one metadata builder per microbatch): no copies."
+        "per microbatch (one metadata builder per microbatch): nothing allocated."
     ),
     upstream="none: vllm PR #60734 fixes only the CUDA deepseek_v32 path",
     remove_when="the vLLM release whose ROCm DSA keeps its logical top-k per DBO microbatch",

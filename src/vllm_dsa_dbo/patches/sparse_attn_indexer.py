@@ -96,12 +96,12 @@ PATCH = Patch(
         "In the torch.compile'd deepseek_v2 / glm4_moe_lite DSA path the leader's "
         "SparseAttnIndexer hands torch.ops.vllm.sparse_attn_indexer the model-wide "
         "logical top-k buffer, fixed when the graph was traced: no Python around "
-        "the op can pick a microbatch's copy."
+        "the op can pick a microbatch's rows."
     ),
     how=(
         "The op's registered callable is vLLM's eager_break_during_capture "
         "wrapper; its closure cell fn now holds per_ubatch_indexer_kernel(fn), "
-        "which maps the buffer (by address) to the calling microbatch's copy for "
+        "which maps the buffer (by address) to the calling microbatch's rows for "
         "leaders wired by the mla patch, and passes every other call through."
     ),
     upstream=(

@@ -58,7 +58,7 @@ PATCH = Patch(
     ),
     how=(
         "The property getter resolves the buffer as vLLM's does (the indexer's, "
-        "else the explicit one), then the calling microbatch's copy from the "
+        "else the explicit one), then the calling microbatch's rows from the "
         "impl's index group; the setter is kept, so the MTP proposer still "
         "re-points draft impls through it."
     ),
