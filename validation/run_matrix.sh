@@ -15,8 +15,9 @@
 # own choice), be_*f with fp8 KV. nf_* is the naive backend (harness gates)
 # with fp8 KV and prefix caching. <model>_ht / <model>_ll run one architecture of vLLM 0.34.0
 # over DeepEP (8 prompts a rank): ml4 Mistral Large 4 (`index_sharing`, eager / FULL decode
-# graphs), dsv2 the deepseek_v2 path (torch.compile'd / compiled with FULL decode graphs), hy
-# HYV4 (eager / FULL decode graphs), each at hidden size 2048.
+# graphs), dsv2 the deepseek_v2 path (torch.compile'd / compiled with FULL decode graphs; dsv2e_ht
+# eager, where stock starts: compiled, stock 0.33.0 did not), hy HYV4 (eager / FULL decode
+# graphs), each at hidden size 2048.
 # LANES engines run side by side, each taking the next name as one ends; KV_BYTES fixes each
 # rank's KV cache (run.py --kv-cache-bytes) where engines start beside each other. A run stops
 # after RUN_TIMEOUT seconds (default 420), and none runs past RUN_DEADLINE (epoch seconds) or
@@ -66,6 +67,7 @@ family() {  # FAMILY -> "model mode args" of a run set FAMILY_{off_a,off_b,on_st
     ml4_ht)   echo "mistral_large4 eager $HT $FEW" ;;
     ml4_ll)   echo "mistral_large4 graph $LL $FEW" ;;
     dsv2_ht)  echo "dsv2_deepep compiled $HT $FEW" ;;
+    dsv2e_ht) echo "dsv2_deepep eager $HT $FEW" ;;
     dsv2_ll)  echo "dsv2_deepep graph $LL $FEW" ;;
     hy_ht)    echo "hy_v4_deepep eager $HT $FEW" ;;
     hy_ll)    echo "hy_v4_deepep graph $LL $FEW" ;;

@@ -4,6 +4,7 @@ run_matrix.sh resolves for them."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 
@@ -101,28 +102,29 @@ def device_paths_runs() -> list[str]:
     text = (HERE / "device_paths.sh").read_text()
     return [
         name
-        for line in text.splitlines()
-        if line.startswith(("HT_RUNS=", "LL_RUNS="))
-        for name in line.split("=", 1)[1].strip('"').split()
+        for names in re.findall(r'^(?:HT|LL)_RUNS="([^"]*)"', text, re.MULTILINE)
+        for name in names.split()
     ]
 
 
 def test_device_paths_runs_resolve_to_each_architecture_in_pairs():
     runs = device_paths_runs()
-    assert len(runs) == 12
+    assert len(runs) == 14
     assert {r.rsplit("_on_", 1)[0] for r in runs} == {
         "ml4_ht",
         "ml4_ll",
+        "dsv2e_ht",
         "dsv2_ht",
         "dsv2_ll",
         "hy_ht",
         "hy_ll",
     }
-    assert sorted(r.rsplit("_on_", 1)[1] for r in runs) == ["fix"] * 6 + ["stock"] * 6
+    assert sorted(r.rsplit("_on_", 1)[1] for r in runs) == ["fix"] * 7 + ["stock"] * 7
     specs = {name: resolve(name).split() for name in runs}
     assert specs["ml4_ht_on_stock"][:4] == ["mistral_large4", "off", "eager", "--dbo"]
     assert specs["ml4_ll_on_fix"][:4] == ["mistral_large4", "on", "graph", "--dbo"]
     assert specs["dsv2_ht_on_fix"][:3] == ["dsv2_deepep", "on", "compiled"]
+    assert specs["dsv2e_ht_on_stock"][:3] == ["dsv2_deepep", "off", "eager"]
     assert specs["dsv2_ll_on_stock"][:3] == ["dsv2_deepep", "off", "graph"]
     assert specs["hy_ht_on_fix"][:3] == ["hy_v4_deepep", "on", "eager"]
     assert specs["hy_ll_on_stock"][:3] == ["hy_v4_deepep", "off", "graph"]
