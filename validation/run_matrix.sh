@@ -21,7 +21,7 @@
 # LANES engines run side by side, each taking the next name as one ends; KV_BYTES fixes each
 # rank's KV cache (run.py --kv-cache-bytes) where engines start beside each other. A run stops
 # after RUN_TIMEOUT seconds (default 420), and none runs past RUN_DEADLINE (epoch seconds) or
-# starts with less than 90 s before it.
+# starts with less than 90 s before it. TREE names a vLLM source tree the runs import vLLM from.
 set -uo pipefail
 . /tmp/gpu/env.sh
 out="$1"; shift
@@ -158,7 +158,7 @@ one() {
   local t0=$SECONDS
   VLLM_DSA_DBO_DISABLE="$disable" VLLM_DSA_DBO_CHECK="$check" VLLM_DSA_DBO_HARNESS_MEASURE="$measure" \
     VLLM_DSA_DBO_LAYOUT="$layout" \
-    env ${deep_gemm:+VLLM_USE_DEEP_GEMM=0 VLLM_MOE_USE_DEEP_GEMM=0} ${qp_depth:+NVSHMEM_QP_DEPTH=$qp_depth} timeout -k 10 "$limit" python -m dsa_dbo_harness.run --timeout $((limit - 20)) \
+    env ${TREE:+PYTHONPATH="$TREE${PYTHONPATH:+:$PYTHONPATH}"} ${deep_gemm:+VLLM_USE_DEEP_GEMM=0 VLLM_MOE_USE_DEEP_GEMM=0} ${qp_depth:+NVSHMEM_QP_DEPTH=$qp_depth} timeout -k 10 "$limit" python -m dsa_dbo_harness.run --timeout $((limit - 20)) \
     --model "$models/$model" --mode "$mode" $rest \
     --gpu-memory-utilization "${GPU_UTIL:-$util}" ${KV_BYTES:+--kv-cache-bytes "$KV_BYTES"} --out "$out/$name.json" > "$out/$name.log" 2>&1
   echo "$name rc=$? $((SECONDS - t0))s $(grep -h '^WROTE' "$out/$name.log" | cut -c1-300)"

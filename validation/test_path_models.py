@@ -143,6 +143,7 @@ def fake_run(patched: bool, violations: int, microbatched: int = 12) -> dict:
         "isolation_check": {"checked_reads": 100, "violations": violations},
     }
     return {
+        "fix_disabled_env": "" if patched else "stock",
         "vllm": "0.34.0",
         "runners": ["Model Runner V2"],
         "args": {"mode": "graph", "all2all": "deepep_ll"},
@@ -182,3 +183,24 @@ def test_pairs_hold_only_where_stock_reads_badly_and_the_fix_does_not(tmp_path, 
     (tmp_path / "hy_ht_on_fix.json").unlink()
     assert compare.main(["--pairs", str(tmp_path)]) == 1  # the fix's run is missing
     assert json.loads(capsys.readouterr().out.splitlines()[-2])["fix"] is None
+
+    # In a tree carrying the upstream change the state is vLLM's: the plugin patches no group.
+    tree_fix = fake_run(False, 0)
+    tree_fix["fix_disabled_env"] = ""
+    write_pair(tmp_path, "hy_ht", fake_run(False, 3), tree_fix)
+    assert compare.main(["--pairs", str(tmp_path)]) == 0
+
+
+def test_probe_names_groups_traced_code_reads_as_microbatch_0():
+    from types import SimpleNamespace
+
+    from dsa_dbo_harness.worker_probe import traced_as_ubatch0
+    from vllm_dsa_dbo.patches import mla
+
+    group = SimpleNamespace()
+    group._topk_state = lambda: group
+    assert not traced_as_ubatch0(group)
+    mla.traced_as_ubatch0(group)
+    assert traced_as_ubatch0(group)
+    assert group._topk_state() is group
+    assert not traced_as_ubatch0(SimpleNamespace())

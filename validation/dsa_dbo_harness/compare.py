@@ -5,7 +5,8 @@
         (every PREFIX_off_a/_off_b/_on_stock/_on_fix set in DIR)
     python -m dsa_dbo_harness.compare --pairs DIR
         (every PREFIX_on_stock/_on_fix pair in DIR, by the isolation checker: the
-        stock run must read across microbatches and the fix must not; exit 1 otherwise)
+        stock run (VLLM_DSA_DBO_DISABLE=stock) must read across microbatches and the
+        fix must not, microbatching; exit 1 otherwise)
 
 Token-0 logprobs move in steps of one bf16 logit rounding (about 0.0078 or
 0.0156 here), so beside the upstream median this also counts prompts whose
@@ -93,7 +94,10 @@ def family(runs: Path, prefix: str) -> dict:
 
 
 def checker_pair(runs: Path, prefix: str) -> dict:
-    """A stock / fix pair's checker counts; `holds` where stock read badly and the fix did not."""
+    """A stock / fix pair's checker counts; `holds` where stock read badly and the fix did not.
+
+    The plugin's own patches show in `plugin_patched` on a released vLLM only: in a tree
+    carrying the upstream change the state is vLLM's, so the arms go by VLLM_DSA_DBO_DISABLE."""
     row: dict = {"pair": prefix}
     for arm in ("stock", "fix"):
         path = runs / f"{prefix}_on_{arm}.json"
@@ -105,6 +109,8 @@ def checker_pair(runs: Path, prefix: str) -> dict:
         checks = [w["isolation_check"] for w in workers]
         row[arm] = {
             "vllm": run["vllm"],
+            "vllm_path": run.get("vllm_path"),
+            "fix_disabled_env": run["fix_disabled_env"],
             "runners": run["runners"],
             "mode": run["args"]["mode"],
             "all2all": run["args"]["all2all"],
@@ -113,6 +119,7 @@ def checker_pair(runs: Path, prefix: str) -> dict:
             "microbatched": microbatched(run),
             "graph_captures": [w["counts"].get("graph_captures", 0) for w in workers],
             "graph_replays": [w["counts"].get("graph_replays", 0) for w in workers],
+            "traced_ubatch0_groups": [w.get("traced_ubatch0_groups", 0) for w in workers],
             "checked_reads": None if None in checks else [c["checked_reads"] for c in checks],
             "violations": violations(run),
         }
@@ -120,8 +127,8 @@ def checker_pair(runs: Path, prefix: str) -> dict:
     row["holds"] = bool(
         stock
         and fix
-        and stock["plugin_patched"] == [False]
-        and fix["plugin_patched"] == [True]
+        and stock["fix_disabled_env"] == "stock"
+        and fix["fix_disabled_env"] == ""
         and (stock["violations"] or 0) > 0
         and fix["violations"] == 0
         and min(fix["microbatched"]) > 0

@@ -245,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         "rank0_env": rank_env(0, args, port),
         "fix_disabled_env": os.environ.get("VLLM_DSA_DBO_DISABLE", ""),
         "vllm": vllm.__version__,
+        "vllm_path": os.path.dirname(vllm.__file__),
         "torch": torch.__version__,
         "gpu": torch.cuda.get_device_name(0),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
