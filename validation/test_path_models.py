@@ -12,6 +12,7 @@ import pytest
 
 from dsa_dbo_harness import model, run
 from vllm_dsa_dbo import guard, patches
+from vllm_dsa_dbo.diagnostics import layout
 from vllm_dsa_dbo.patches import mistral_attention
 
 HERE = Path(__file__).parent
@@ -51,6 +52,9 @@ def test_mistral_large4_model_is_read_as_vllm_reads_mistral_params(tmp_path):
     assert [s.layer_idx for s in specs if s.has_indexer] == LEADERS
     assert [s.layer_idx for s in specs if s.is_moe] == list(range(1, 8))
     assert guard.sharing_keys(config) == ["index_sharing with 'shared'"]
+    laid_out = layout.layout(*layout.check_config(config.to_dict()))
+    assert (laid_out.leaders, laid_out.followers) == (LEADERS, [3, 4, 5, 7])
+    assert laid_out.groups_with_followers == 2
 
 
 def test_deepep_models_keep_their_leaders_at_hidden_2048(tmp_path):
