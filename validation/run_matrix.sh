@@ -13,7 +13,15 @@
 # prefix caching) use the hidden-2048 model and lift no vLLM check; be_<backend>
 # runs force one sparse MLA backend on DeepEP high-throughput (be_auto: vLLM's
 # own choice), be_*f with fp8 KV. nf_* is the naive backend (harness gates)
-# with fp8 KV and prefix caching.
+# with fp8 KV and prefix caching. <model>_ht / <model>_ll run one architecture of vLLM 0.34.0
+# over DeepEP (8 prompts a rank): ml4 Mistral Large 4 (`index_sharing`, eager / FULL decode
+# graphs), dsv2 the deepseek_v2 path (torch.compile'd / compiled with FULL decode graphs; dsv2e_ht
+# eager, where stock starts: compiled, stock 0.33.0 did not), hy HYV4 (eager / FULL decode
+# graphs), each at hidden size 2048.
+# LANES engines run side by side, each taking the next name as one ends; KV_BYTES fixes each
+# rank's KV cache (run.py --kv-cache-bytes) where engines start beside each other. A run stops
+# after RUN_TIMEOUT seconds (default 420), and none runs past RUN_DEADLINE (epoch seconds) or
+# starts with less than 90 s before it. TREE names a vLLM source tree the runs import vLLM from.
 set -uo pipefail
 . /tmp/gpu/env.sh
 out="$1"; shift
@@ -23,16 +31,23 @@ models="${MODELS:-/tmp/dsa-dbo-models}"
 python - "$models" <<'PY'
 import sys
 from pathlib import Path
-from dsa_dbo_harness.model import DEEPEP_CONFIG, DSV2_CONFIG, write_hy_v4_model, write_model
+from dsa_dbo_harness.model import (
+    DEEPEP_CONFIG, DSV2_CONFIG, HYV4_CONFIG, deepep, write_hy_v4_model, write_mistral_large4_model,
+    write_model,
+)
+models = Path(sys.argv[1])
 for freq in (1, 4):
-    write_model(Path(sys.argv[1]) / f"freq{freq}", freq)
-write_hy_v4_model(Path(sys.argv[1]) / "hy_v4", 4)
-write_model(Path(sys.argv[1]) / "dsv2", 4, DSV2_CONFIG)
+    write_model(models / f"freq{freq}", freq)
+write_hy_v4_model(models / "hy_v4", 4)
+write_model(models / "dsv2", 4, DSV2_CONFIG)
 for freq in (1, 4):
-    write_model(Path(sys.argv[1]) / f"deepep{freq}", freq, DEEPEP_CONFIG)
+    write_model(models / f"deepep{freq}", freq, DEEPEP_CONFIG)
+write_model(models / "dsv2_deepep", 4, deepep(DSV2_CONFIG))
+write_hy_v4_model(models / "hy_v4_deepep", 4, deepep(HYV4_CONFIG))
+write_mistral_large4_model(models / "mistral_large4", 4)
 PY
 
-HT="--all2all deepep_ht" LL="--all2all deepep_ll" F8="--kv-cache-dtype fp8"
+HT="--all2all deepep_ht" LL="--all2all deepep_ll" F8="--kv-cache-dtype fp8" FEW="--prompts 8"
 family() {  # FAMILY -> "model mode args" of a run set FAMILY_{off_a,off_b,on_stock,on_fix,on_offsets}
   case "$1" in
     nf)       echo "4 eager $F8 --prefix-caching" ;;
@@ -49,6 +64,13 @@ family() {  # FAMILY -> "model mode args" of a run set FAMILY_{off_a,off_b,on_st
     be_fif)   echo "deepep4 eager $HT $F8 --attention-backend FLASHINFER_MLA_SPARSE_SM90" ;;
     perf_ht)  echo "deepep4 eager $HT --max-tokens 120" ;;
     perf_llf) echo "deepep4 graph $LL $F8 --max-tokens 120" ;;
+    ml4_ht)   echo "mistral_large4 eager $HT $FEW" ;;
+    ml4_ll)   echo "mistral_large4 graph $LL $FEW" ;;
+    dsv2_ht)  echo "dsv2_deepep compiled $HT $FEW" ;;
+    dsv2e_ht) echo "dsv2_deepep eager $HT $FEW" ;;
+    dsv2_ll)  echo "dsv2_deepep graph $LL $FEW" ;;
+    hy_ht)    echo "hy_v4_deepep eager $HT $FEW" ;;
+    hy_ll)    echo "hy_v4_deepep graph $LL $FEW" ;;
     *) return 1 ;;
   esac
 }
@@ -118,17 +140,27 @@ one() {
   local deep_gemm=""
   case "$name" in chk_*) check=audit ;; perf_*) measure=1 ;; esac
   # The upstream PR's DeepEP configuration: no DeepGEMM for GEMMs and MoE.
-  case "$name" in ht*|ll*|be_*) check=audit deep_gemm=0 ;; nf_*) check=audit ;; esac
+  case "$name" in
+    perf_*) ;;
+    ht*|ll*|be_*|*_ht_*|*_ll_*) check=audit deep_gemm=0 ;;
+    nf_*) check=audit ;;
+  esac
   case "$name" in perf_ht*|perf_ll*) deep_gemm=0 ;; esac
   # DeepEP low-latency asserts NVSHMEM_QP_DEPTH (default 1024) >= 2 * (dispatch cap + 1),
   # and vLLM's cap is max_num_batched_tokens (4096 here).
-  local qp_depth=""; case "$name" in ll*|perf_ll*) qp_depth=8200 ;; esac
+  local qp_depth=""; case "$name" in ll*|perf_ll*|*_ll_*) qp_depth=8200 ;; esac
+  local limit="${RUN_TIMEOUT:-420}"
+  if [ -n "${RUN_DEADLINE:-}" ]; then
+    local left=$((RUN_DEADLINE - $(date +%s)))
+    [ "$left" -ge 90 ] || { echo "$name skipped: ${left}s left before RUN_DEADLINE"; return 0; }
+    [ "$left" -lt "$limit" ] && limit=$left
+  fi
   local t0=$SECONDS
   VLLM_DSA_DBO_DISABLE="$disable" VLLM_DSA_DBO_CHECK="$check" VLLM_DSA_DBO_HARNESS_MEASURE="$measure" \
     VLLM_DSA_DBO_LAYOUT="$layout" \
-    env ${deep_gemm:+VLLM_USE_DEEP_GEMM=0 VLLM_MOE_USE_DEEP_GEMM=0} ${qp_depth:+NVSHMEM_QP_DEPTH=$qp_depth} timeout "${RUN_TIMEOUT:-420}" python -m dsa_dbo_harness.run \
+    env ${TREE:+PYTHONPATH="$TREE${PYTHONPATH:+:$PYTHONPATH}"} ${deep_gemm:+VLLM_USE_DEEP_GEMM=0 VLLM_MOE_USE_DEEP_GEMM=0} ${qp_depth:+NVSHMEM_QP_DEPTH=$qp_depth} timeout -k 10 "$limit" python -m dsa_dbo_harness.run --timeout $((limit - 20)) \
     --model "$models/$model" --mode "$mode" $rest \
-    --gpu-memory-utilization "${GPU_UTIL:-$util}" --out "$out/$name.json" > "$out/$name.log" 2>&1
+    --gpu-memory-utilization "${GPU_UTIL:-$util}" ${KV_BYTES:+--kv-cache-bytes "$KV_BYTES"} --out "$out/$name.json" > "$out/$name.log" 2>&1
   echo "$name rc=$? $((SECONDS - t0))s $(grep -h '^WROTE' "$out/$name.log" | cut -c1-300)"
   grep -hE "Error|error:|Traceback|assert" "$out/$name.log" | grep -v "^W1" | tail -4
 }
@@ -136,11 +168,13 @@ one() {
 gpus=$(nvidia-smi -L | wc -l)
 util=$([ "$gpus" -ge 2 ] && echo 0.35 || echo 0.3)
 lanes="${LANES:-$([ "$gpus" -ge 2 ] && echo 2 || echo 1)}"
-while [ $# -gt 0 ]; do
-  for _ in $(seq "$lanes"); do
-    [ $# -gt 0 ] || break
-    one "$1" &
-    shift
-  done
-  wait
+running=0
+for name in "$@"; do
+  if [ "$running" -ge "$lanes" ]; then
+    wait -n
+    running=$((running - 1))
+  fi
+  one "$name" &
+  running=$((running + 1))
 done
+wait

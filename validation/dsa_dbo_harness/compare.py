@@ -3,6 +3,10 @@
     python -m dsa_dbo_harness.compare REF.json RUN.json [RUN.json ...]
     python -m dsa_dbo_harness.compare --families DIR
         (every PREFIX_off_a/_off_b/_on_stock/_on_fix set in DIR)
+    python -m dsa_dbo_harness.compare --pairs DIR
+        (every PREFIX_on_stock/_on_fix pair in DIR, by the isolation checker: the
+        stock run (VLLM_DSA_DBO_DISABLE=stock) must read across microbatches and the
+        fix must not, microbatching; exit 1 otherwise)
 
 Token-0 logprobs move in steps of one bf16 logit rounding (about 0.0078 or
 0.0156 here), so beside the upstream median this also counts prompts whose
@@ -89,6 +93,49 @@ def family(runs: Path, prefix: str) -> dict:
     }
 
 
+def checker_pair(runs: Path, prefix: str) -> dict:
+    """A stock / fix pair's checker counts; `holds` where stock read badly and the fix did not.
+
+    The plugin's own patches show in `plugin_patched` on a released vLLM only: in a tree
+    carrying the upstream change the state is vLLM's, so the arms go by VLLM_DSA_DBO_DISABLE."""
+    row: dict = {"pair": prefix}
+    for arm in ("stock", "fix"):
+        path = runs / f"{prefix}_on_{arm}.json"
+        if not path.exists():
+            row[arm] = None
+            continue
+        run = json.loads(path.read_text())
+        workers = [w for rank in run["ranks"] for w in rank["workers"]]
+        checks = [w["isolation_check"] for w in workers]
+        row[arm] = {
+            "vllm": run["vllm"],
+            "vllm_path": run.get("vllm_path"),
+            "fix_disabled_env": run["fix_disabled_env"],
+            "runners": run["runners"],
+            "mode": run["args"]["mode"],
+            "all2all": run["args"]["all2all"],
+            "attention_backends": run["attention_backends"],
+            "plugin_patched": sorted({w["plugin_patched"] for w in workers}),
+            "microbatched": microbatched(run),
+            "graph_captures": [w["counts"].get("graph_captures", 0) for w in workers],
+            "graph_replays": [w["counts"].get("graph_replays", 0) for w in workers],
+            "traced_ubatch0_groups": [w.get("traced_ubatch0_groups", 0) for w in workers],
+            "checked_reads": None if None in checks else [c["checked_reads"] for c in checks],
+            "violations": violations(run),
+        }
+    stock, fix = row["stock"], row["fix"]
+    row["holds"] = bool(
+        stock
+        and fix
+        and stock["fix_disabled_env"] == "stock"
+        and fix["fix_disabled_env"] == ""
+        and (stock["violations"] or 0) > 0
+        and fix["violations"] == 0
+        and min(fix["microbatched"]) > 0
+    )
+    return row
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -96,7 +143,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("reference", type=Path)
     parser.add_argument("runs", type=Path, nargs="*")
     parser.add_argument("--families", action="store_true", help="REFERENCE is a folder of runs")
+    parser.add_argument("--pairs", action="store_true", help="REFERENCE is a folder of runs")
     args = parser.parse_args(argv)
+    if args.pairs:
+        names = sorted(p.stem for p in args.reference.glob("*_on_*.json"))
+        rows = [
+            checker_pair(args.reference, prefix)
+            for prefix in dict.fromkeys(n.rsplit("_on_", 1)[0] for n in names)
+        ]
+        for row in rows:
+            print(json.dumps(row))
+        return 0 if rows and all(row["holds"] for row in rows) else 1
     if args.families:
         stems = sorted(p.stem for p in args.reference.glob("*_off*.json"))
         for prefix in dict.fromkeys(s.rsplit("_off", 1)[0] for s in stems):

@@ -116,8 +116,58 @@ DSV2_CONFIG = {
 DEEPEP_CONFIG = {**CONFIG, "hidden_size": 2048}
 
 
-def hy_v4_indexer_types(num_layers: int, freq: int, offset: int) -> list[str]:
-    """vLLM's `compute_skip_topk_layers` rule for freq/offset, as indexer_types."""
+def deepep(config: dict) -> dict:
+    """The same model at hidden size 2048 (DeepEP's low-latency kernels)."""
+    return {**config, "hidden_size": DEEPEP_CONFIG["hidden_size"]}
+
+
+# Mistral Large 4 takes no q-LoRA; its MLA keeps qk_nope + qk_rope = head_dim.
+MISTRAL_LARGE4_PARAMS = {
+    "dim": 2048,
+    "n_layers": CONFIG["num_hidden_layers"],
+    "n_heads": 16,
+    "n_kv_heads": 16,
+    "head_dim": 192,
+    "hidden_dim": 2048,
+    "norm_eps": 1e-5,
+    "vocab_size": CONFIG["vocab_size"],
+    "max_position_embeddings": CONFIG["max_position_embeddings"],
+    "dtype": "bfloat16",
+    "rope_theta": 1000000.0,
+    "yarn": {
+        "factor": 1.0,
+        "original_max_position_embeddings": CONFIG["max_position_embeddings"],
+        "beta": 32.0,
+        "alpha": 1.0,
+        "apply_scale": False,
+    },
+    "q_lora_rank": None,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "moe": {
+        "num_experts": CONFIG["n_routed_experts"],
+        "num_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "expert_hidden_dim": CONFIG["moe_intermediate_size"],
+        "first_k_dense_replace": 1,
+        "route_every_n": 1,
+        "routed_scale": 1.0,
+    },
+    "dsa": {
+        "topk": CONFIG["index_topk"],
+        "n_heads": CONFIG["index_n_heads"],
+        "head_dim": CONFIG["index_head_dim"],
+        "norm_eps": 1e-6,
+        "ssmax_scaling": True,
+    },
+}
+
+
+def full_or_shared(num_layers: int, freq: int, offset: int) -> list[str]:
+    """vLLM's `compute_skip_topk_layers` rule for freq/offset, per layer "full" (leads) or
+    "shared" (follows): HYV4's indexer_types, Mistral's index_sharing."""
     return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(num_layers)]
 
 
@@ -125,15 +175,29 @@ def write_model(directory: Path, index_topk_freq: int, base: dict = CONFIG) -> P
     directory.mkdir(parents=True, exist_ok=True)
     config = {**base, "index_topk_freq": index_topk_freq}
     if config["model_type"] == "hy_v4":
-        config["indexer_types"] = hy_v4_indexer_types(
+        config["indexer_types"] = full_or_shared(
             config["num_hidden_layers"], index_topk_freq, config["index_skip_topk_offset"]
         )
     (directory / "config.json").write_text(json.dumps(config, indent=1))
     return directory
 
 
-def write_hy_v4_model(directory: Path, index_topk_freq: int = 4) -> Path:
-    return write_model(directory, index_topk_freq, HYV4_CONFIG)
+def write_hy_v4_model(directory: Path, index_topk_freq: int = 4, base: dict = HYV4_CONFIG) -> Path:
+    return write_model(directory, index_topk_freq, base)
+
+
+def write_mistral_large4_model(directory: Path, index_topk_freq: int = 4) -> Path:
+    """params.json with the GLM model's leaders as `dsa.index_sharing` ("full" leads)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    sharing = full_or_shared(
+        MISTRAL_LARGE4_PARAMS["n_layers"], index_topk_freq, CONFIG["index_skip_topk_offset"]
+    )
+    params = {
+        **MISTRAL_LARGE4_PARAMS,
+        "dsa": {**MISTRAL_LARGE4_PARAMS["dsa"], "index_sharing": ",".join(sharing)},
+    }
+    (directory / "params.json").write_text(json.dumps(params, indent=1))
+    return directory
 
 
 def reinit_weights(model) -> int:

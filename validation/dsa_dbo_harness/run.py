@@ -62,6 +62,9 @@ RECORDED_ENV = (
 
 def engine_kwargs(args) -> dict:
     kwargs = dict(
+        # A params.json alone is Mistral's format (Mistral Large 4): vLLM's auto-detection
+        # also wants consolidated safetensors, which a dummy load has none of.
+        **({"config_format": "mistral"} if (Path(args.model) / "params.json").exists() else {}),
         model=str(args.model),
         load_format="dummy",
         skip_tokenizer_init=True,
@@ -77,6 +80,8 @@ def engine_kwargs(args) -> dict:
         seed=0,
         **MODES[args.mode][0],
     )
+    if args.kv_cache_bytes:
+        kwargs["kv_cache_memory_bytes"] = args.kv_cache_bytes
     if args.attention_backend != "auto":
         kwargs["attention_backend"] = args.attention_backend
     if args.dbo:
@@ -158,7 +163,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def main(argv: list[str] | None = None) -> int:
+def arg_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -183,7 +188,19 @@ def main(argv: list[str] | None = None) -> int:
         help="GPUs the two ranks use (default: 2 if two are visible, else 1)",
     )
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.35)
+    parser.add_argument(
+        "--kv-cache-bytes",
+        type=int,
+        default=0,
+        help="each rank's KV cache, instead of what vLLM's memory profile leaves: engines "
+        "starting side by side on one GPU each count the others' memory as their own",
+    )
     parser.add_argument("--timeout", type=float, default=400)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = arg_parser()
     args = parser.parse_args(argv)
     import torch
 
@@ -228,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         "rank0_env": rank_env(0, args, port),
         "fix_disabled_env": os.environ.get("VLLM_DSA_DBO_DISABLE", ""),
         "vllm": vllm.__version__,
+        "vllm_path": os.path.dirname(vllm.__file__),
         "torch": torch.__version__,
         "gpu": torch.cuda.get_device_name(0),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -43,11 +43,19 @@ def snapshot(worker) -> dict:
             "violating_pairs": sorted(" -> ".join(k) for k in checker.violations),
         },
         "index_groups": len(groups),
+        "traced_ubatch0_groups": sum(map(traced_as_ubatch0, groups)),
         "groups_with_followers": len(followed_groups(groups)) if patched else 0,
         "ubatch_topk_bytes": ubatch_topk_bytes(groups) if patched else 0,
         "model_memory_bytes": worker.model_runner.model_memory_usage,
         "num_gpu_blocks": worker.cache_config.num_gpu_blocks,
     }
+
+
+def traced_as_ubatch0(group) -> bool:
+    """Whether traced code reads the group's microbatch-0 state through the plugin's lookup (a
+    vLLM tree carrying the upstream change, the compiled deepseek_v2 path)."""
+    lookup = getattr(group, "_topk_state", None)
+    return getattr(lookup, "__qualname__", "").startswith("traced_as_ubatch0.")
 
 
 def sparse_mla_backends(model) -> dict[str, int]:
