@@ -48,7 +48,7 @@ write_mistral_large4_model(models / "mistral_large4", 4)
 PY
 
 HT="--all2all deepep_ht" LL="--all2all deepep_ll" F8="--kv-cache-dtype fp8" FEW="--prompts 8"
-family() {  # FAMILY -> "model mode args" of a run set FAMILY_{off_a,off_b,on_stock,on_fix,on_offsets}
+family() {  # FAMILY -> "model mode args" of a run set FAMILY_{off_a,off_b,on_stock,on_fix}
   case "$1" in
     nf)       echo "4 eager $F8 --prefix-caching" ;;
     ht)       echo "deepep4 eager $HT" ;;
@@ -84,7 +84,6 @@ spec() {  # NAME -> "model fix mode dbo-args"; a number N as model means freqN
       off|off_a|off_b) echo "$model on $mode $args"; return ;;
       on_stock|on_stock_b) echo "$model off $mode --dbo $args"; return ;;
       on_fix|on_fix_b) echo "$model on $mode --dbo $args"; return ;;
-      on_offsets|on_offsets_b) echo "$model offsets $mode --dbo $args"; return ;;
     esac
   fi
   case "$1" in
@@ -134,8 +133,7 @@ one() {
   local name="$1" model fix mode rest
   read -r model fix mode rest <<< "$(spec "$name")" || return 1
   case "$model" in [0-9]*) model="freq$model" ;; esac
-  local disable="" layout=""; [ "$fix" = off ] && disable=stock
-  [ "$fix" = offsets ] && layout=offsets
+  local disable=""; [ "$fix" = off ] && disable=stock
   local check="" measure=""
   local deep_gemm=""
   case "$name" in chk_*) check=audit ;; perf_*) measure=1 ;; esac
@@ -157,7 +155,6 @@ one() {
   fi
   local t0=$SECONDS
   VLLM_DSA_DBO_DISABLE="$disable" VLLM_DSA_DBO_CHECK="$check" VLLM_DSA_DBO_HARNESS_MEASURE="$measure" \
-    VLLM_DSA_DBO_LAYOUT="$layout" \
     env ${TREE:+PYTHONPATH="$TREE${PYTHONPATH:+:$PYTHONPATH}"} ${deep_gemm:+VLLM_USE_DEEP_GEMM=0 VLLM_MOE_USE_DEEP_GEMM=0} ${qp_depth:+NVSHMEM_QP_DEPTH=$qp_depth} timeout -k 10 "$limit" python -m dsa_dbo_harness.run --timeout $((limit - 20)) \
     --model "$models/$model" --mode "$mode" $rest \
     --gpu-memory-utilization "${GPU_UTIL:-$util}" ${KV_BYTES:+--kv-cache-bytes "$KV_BYTES"} --out "$out/$name.json" > "$out/$name.log" 2>&1
