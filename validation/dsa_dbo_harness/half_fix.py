@@ -17,19 +17,20 @@ ENV = "VLLM_DSA_DBO_HARNESS_HALF_FIX"
 GATE = "half_fix: logical top-k shared, converted state per microbatch"
 
 
-def _shared_logical(self) -> None:
-    """Allocate no extra logical buffer: every microbatch resolves to microbatch 0's."""
+def _shared_logical(self):
+    """Every microbatch's logical top-k at row 0: microbatch 0's rows."""
+    return self.buffer
 
 
 def install() -> Callable[[], None]:
     """Make the fix a half fix in this process; returns what undoes it."""
     from vllm_dsa_dbo import core
 
-    stock = core.UbatchLogicalTopk.allocate
-    core.UbatchLogicalTopk.allocate = _shared_logical
+    stock = core.UbatchLogicalTopk.ubatch_rows
+    core.UbatchLogicalTopk.ubatch_rows = _shared_logical
 
     def undo() -> None:
-        core.UbatchLogicalTopk.allocate = stock
+        core.UbatchLogicalTopk.ubatch_rows = stock
 
     return undo
 
