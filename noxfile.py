@@ -1,7 +1,12 @@
 """CI's lint, then README's test command against each vLLM release the plugin supports, each
-in an environment of its own, installed as README tells an operator (through uv)."""
+in an environment of its own: vLLM installed as README tells an operator (through uv), the
+plugin from the wheel built here, as users install it."""
 
 from __future__ import annotations
+
+import shutil
+import zipfile
+from pathlib import Path
 
 import nox
 
@@ -27,10 +32,31 @@ def lint(session: nox.Session) -> None:
 @nox.parametrize("vllm", list(VLLM))
 def tests(session: nox.Session, vllm: str) -> None:
     session.install(f"vllm=={vllm}", *VLLM[vllm])
-    session.install("-e", ".[test]", *VLLM[vllm])
-    # Installing the plugin leaves the user's vLLM as it was.
+    wheel = build(session)
+    session.install(f"{wheel}[test]", "--reinstall-package", "vllm-dsa-dbo", *VLLM[vllm])
+    # Installing the plugin leaves the user's vLLM as it was; the suite imports the wheel's
+    # package, not src/.
     session.run(
         "python", "-c", f"import vllm; assert vllm.__version__ == {vllm!r}, vllm.__version__"
     )
+    session.run(
+        "python", "-c", "import vllm_dsa_dbo as p; assert 'site-packages' in p.__file__, p.__file__"
+    )
     session.run("vllm-dsa-dbo", "status")
     session.run("python", "-m", "pytest", "-q", *session.posargs)
+
+
+def build(session: nox.Session) -> Path:
+    """The sdist, and the wheel built from it as an index would serve them: their metadata
+    checked, and every file of the package under src/ in the wheel."""
+    out = Path(session.virtualenv.location) / "dist"
+    shutil.rmtree(out, ignore_errors=True)
+    session.run("uv", "build", "--out-dir", str(out), silent=True)
+    [sdist], [wheel] = out.glob("*.tar.gz"), out.glob("*.whl")
+    session.run("uvx", "twine", "check", "--strict", str(sdist), str(wheel))
+    packaged = set(zipfile.ZipFile(wheel).namelist())
+    tracked = session.run("git", "ls-files", "src", external=True, silent=True).split()
+    missing = [path for path in tracked if path.removeprefix("src/") not in packaged]
+    if missing:
+        session.error(f"{wheel.name} lacks {', '.join(missing)}")
+    return wheel

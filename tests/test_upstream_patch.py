@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+import bare_python
 import fresh
 import upstream_tree
 import vllm_sdist
@@ -320,6 +321,16 @@ def test_model_passes_the_microbatch_count_and_writers_take_the_impls_buffer(rel
     for path in set(WRITTEN) & set(EDITS):
         text = (tree / path).read_text()
         assert {x: text.count(x) for x in WRITTEN[path]} == WRITTEN[path], path
+
+
+def test_patching_a_tree_needs_no_vllm_installed(released, tmp_path):
+    """Beside no vLLM, the tree alone: the same files as patched here."""
+    exe = bare_python.python(tmp_path / "env")
+    tree = small_tree(released, tmp_path / "there")
+    result = bare_python.run(exe, "upstream-patch", str(tree))
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines()[-1] == f"patched {len(EDITS)} files in {tree}"
+    assert snapshot(tree) == snapshot(patched_tree(released, tmp_path / "here"))
 
 
 def test_diff_applies_with_git_and_dry_run_writes_nothing(released, tmp_path, capsys):

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import logging
 
+# The one place the version is written: the wheel's metadata reads it (pyproject.toml).
+__version__ = "0.1.0"
+
 
 def register() -> None:
     """The `vllm.general_plugins` entry point; safe to call more than once; never raises."""

@@ -15,6 +15,9 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from packaging.requirements import Requirement
+
+from vllm_dsa_dbo import __version__
 from vllm_dsa_dbo.diagnostics.layout import (
     GROUPS,
     PLATFORMS,
@@ -59,12 +62,58 @@ DISABLE_MEANING = {
     REFUSE: "fix off, DBO with shared top-k refused",
     STOCK: "stock vLLM: nothing refused, DBO outputs corrupted",
 }
-# `python -m vllm_dsa_dbo.demo` exits with this when a read crossed microbatches.
+# `python -m vllm_dsa_dbo.demo` exits with this when a read crossed microbatches, and with
+# DEMO_NO_VLLM, its last stderr line saying why, when vLLM does not import.
 DEMO_CROSSED = 3
+DEMO_NO_VLLM = 2
+INSTALL_VLLM = (
+    "install vLLM 0.33.0 or 0.34.0 beside the plugin, as README.md's Install says "
+    "(pip install vllm==0.33.0, or vLLM 0.34.0's container image)"
+)
 
 
 class UsageError(Exception):
     """Bad input: printed as `error: ...`, exit status 2."""
+
+
+def vllm_unusable(*, load: bool) -> str | None:
+    """Why the plugin cannot run this environment's vLLM, with what to install; None when
+    `import vllm` works (without `load`, quickly: when vLLM and what it requires are installed)."""
+    try:
+        dist = distribution("vllm")
+    except PackageNotFoundError:
+        dist = None
+    if dist is None and find_spec("vllm") is None:
+        return f"vLLM is not installed: {INSTALL_VLLM}"
+    name = "vLLM" if dist is None else f"vLLM {dist.version}"
+    if load:
+        try:
+            import vllm  # noqa: F401
+        except Exception as e:
+            return f"{name} does not import ({type(e).__name__}: {e}): {INSTALL_VLLM}"
+        return None
+    if dist is None:  # a source tree on the path: only importing it tells
+        return None
+    missing = [
+        r.name
+        for r in map(Requirement, dist.requires or ())
+        if (r.marker is None or r.marker.evaluate({"extra": ""})) and not installed(r.name)
+    ]
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        return (
+            f"{name} is installed without {', '.join(missing[:3])}{more}, which it requires "
+            f"(pip check lists them): {INSTALL_VLLM}"
+        )
+    return None
+
+
+def installed(name: str) -> bool:
+    try:
+        distribution(name)
+    except PackageNotFoundError:
+        return False
+    return True
 
 
 def whole_number(minimum: int):
@@ -104,8 +153,10 @@ def status(args: argparse.Namespace) -> int:
         vllm_version = None
     # The tests check every patch against each release; any other vLLM is checked here.
     inspect_vllm = vllm_version is not None and (args.check or not unmodified_release())
+    unusable = vllm_unusable(load=inspect_vllm)
+    if vllm_version is None or unusable is not None:
+        problems.append(unusable or "vLLM is not installed")
     if vllm_version is None:
-        problems.append("vLLM is not installed")
         print(f"vLLM: not installed (supported: {SUPPORTED_VLLM})")
     else:
         ok = is_supported_vllm(vllm_version)
@@ -161,7 +212,7 @@ def status(args: argparse.Namespace) -> int:
     retired = retired_layout_notice()
     if retired:
         print(retired)
-    if inspect_vllm:
+    if inspect_vllm and unusable is None:
         # Importing vLLM's DeepSeek-V4.1 code starts two kernel builds, each a Python process
         # importing torch, which take the CPU and which this process waits for at exit.
         os.environ.setdefault("HUMMING_DISABLE_PARALLEL_BUILD", "1")
@@ -308,6 +359,8 @@ def load_config(args: argparse.Namespace) -> tuple[str, Layout]:
             raise UsageError(f"{path} is not a JSON object")
     try:
         code_path, text = check_config(config, args.platform)
+        if unusable := vllm_unusable(load=True):
+            raise UsageError(unusable)
         return source, layout(code_path, text)
     except ValueError as e:  # ConfigError, or vLLM's own config class refusing it
         raise UsageError(f"{source}: {e}") from None
@@ -431,6 +484,8 @@ def demo(args: argparse.Namespace) -> int:
             text=True,
         )
         lines = [line for line in result.stdout.splitlines() if line.strip()]
+        if result.returncode == DEMO_NO_VLLM:
+            raise UsageError(result.stderr.strip().splitlines()[-1])
         if result.returncode not in (0, DEMO_CROSSED) or not lines:
             sys.stderr.write(result.stderr[-4000:])
             print(f"error: the {phase} demo failed (exit {result.returncode})", file=sys.stderr)
@@ -526,6 +581,11 @@ def build_parser() -> argparse.ArgumentParser:
             f"DSA shared top-k per DBO microbatch for vLLM {SUPPORTED_VLLM}: check, size, "
             "demonstrate."
         ),
+    )
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"%(prog)s {__version__} (for vLLM {SUPPORTED_VLLM})",
     )
     sub = parser.add_subparsers(dest="command", required=True)
 

@@ -12,7 +12,7 @@ import sys
 from importlib.metadata import version
 from typing import TYPE_CHECKING
 
-from vllm_dsa_dbo.cli import DEMO_CROSSED
+from vllm_dsa_dbo.cli import DEMO_CROSSED, DEMO_NO_VLLM, vllm_unusable
 
 if TYPE_CHECKING:
     from vllm_dsa_dbo.cpu_dbo import Read
@@ -51,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     use_cpu()
+    if unusable := vllm_unusable(load=True):
+        print(unusable, file=sys.stderr)
+        return DEMO_NO_VLLM
     import vllm_dsa_dbo
     from vllm_dsa_dbo import cpu_dbo
     from vllm_dsa_dbo.diagnostics import isolation
