@@ -802,6 +802,12 @@ MUTATIONS |= {
         "valid_topk_counts=group.valid_topk_counts",
         CORE_TEST,
     ),
+    "the checker skips a follower's read in its private group (HYV4)": edit(
+        "diagnostics.isolation:_check_sparse_mla_attention.topk_indices_buffer",
+        "index > 0 or not group.has_indexer",
+        "index > 0",
+        "tests/test_patch_hy_v4.py::test_hy_v4_checker_checks_followers_in_private_groups[stock]",
+    ),
     "the checker never counts a step past the workspace": edit(
         "diagnostics.isolation:IsolationChecker.past_workspace",
         "self.past_workspace_steps += 1",

@@ -149,6 +149,33 @@ def test_hy_v4_followers_read_their_own_leaders_topk(fake_gpu, monkeypatch):
     assert "2 microbatches, 1 index groups with followers, 0 bytes" in describe(model)
 
 
+@pytest.mark.parametrize("enable_dbo, bad", [(True, False), (False, True)], ids=["fix", "stock"])
+def test_hy_v4_checker_checks_followers_in_private_groups(fake_gpu, monkeypatch, enable_dbo, bad):
+    """The isolation checker sees a follower's read of the logical top-k in its own group:
+    none wrong with the fix, the other microbatch's without it (a model built for one)."""
+    from vllm.model_executor.layers.attention import sparse_mla_attention
+
+    from vllm_dsa_dbo.diagnostics import isolation
+
+    checker = isolation.IsolationChecker("audit")
+    monkeypatch.setattr(isolation, "CHECKER", checker)
+    mixin, impl_cls = (
+        sparse_mla_attention.SharedTopkIndicesBuffer,
+        sparse_mla_attention.SparseMLACommonImpl,
+    )
+    monkeypatch.setattr(mixin, "topk_indices_buffer", mixin.topk_indices_buffer)
+    monkeypatch.setattr(impl_cls, "record_logical_topk_ready", impl_cls.record_logical_topk_ready)
+    [checked] = [p for p in isolation.PATCHES if p.name == "isolation_sparse_mla_attention"]
+    checked.apply(sparse_mla_attention)
+
+    HYV4Stack(
+        build_hyv4_model(monkeypatch, fake_gpu, enable_dbo=enable_dbo), monkeypatch
+    ).run_step()
+
+    assert checker.checked_reads > 0
+    assert bool(checker.violations) == bad, checker.violations
+
+
 def test_hy_v4_without_dbo_allocates_nothing(fake_gpu, monkeypatch):
     from vllm_dsa_dbo.diagnostics.refusals import check_wired
     from vllm_dsa_dbo.diagnostics.startup import describe

@@ -47,6 +47,7 @@ def test_mistral_large4_model_is_read_as_vllm_reads_mistral_params(tmp_path):
         "shared",
     ]
     assert config.hidden_size == 2048
+    assert (config.n_group, config.topk_group) == (1, 1)  # what Mistral's MoE reads
     assert (config.index_topk, config.index_n_heads, config.index_head_dim) == (512, 32, 128)
     specs = get_layer_specs(config)
     assert [s.layer_idx for s in specs if s.has_indexer] == LEADERS

@@ -154,6 +154,9 @@ MISTRAL_LARGE4_PARAMS = {
         "first_k_dense_replace": 1,
         "route_every_n": 1,
         "routed_scale": 1.0,
+        # Mistral's MoE asserts ungrouped routing and reads the key, which it does not default.
+        "num_expert_groups": 1,
+        "num_expert_groups_per_tok": 1,
     },
     "dsa": {
         "topk": CONFIG["index_topk"],

@@ -180,8 +180,9 @@ def report(table: Path) -> str:
         "| arm | accuracy ± stderr | answers equal to DBO off | against | lost / gained "
         "| McNemar p "
         "| microbatched forwards per worker | checker: bad of checked reads per worker "
+        "| steps past the workspace per worker "
         "| runner, vLLM | draft acceptance | model loading GiB (plugin bytes) per worker |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name in (a for a in ARMS if (table / a).is_dir()):
         reference = reference_of(table, name)
@@ -198,9 +199,26 @@ def report(table: Path) -> str:
             same = agreeing(answers(table, name), answers(table, reference))
             agree, against = f"{same} / {row.questions}", reference
             lost, p = f"{row.lost} / {row.gained}", f"{row.mcnemar_p:.3g}"
-        counts = harness_counts(table, name)
-        forwards = ", ".join(f"{m} of {n}" for m, n, _, _ in counts) or "-"
-        checked = ", ".join(f"{b} of {r}" for _, _, r, b in counts if r is not None) or "-"
+        counts = [dict(zip(WORKER_COUNTS, c)) for c in harness_counts(table, name)]
+        forwards = (
+            ", ".join(f"{c['microbatched_forwards']} of {c['forwards']}" for c in counts) or "-"
+        )
+        checked = (
+            ", ".join(
+                f"{c['bad_reads']} of {c['checked_reads']}"
+                for c in counts
+                if c["checked_reads"] is not None
+            )
+            or "-"
+        )
+        past = (
+            ", ".join(
+                str(c["past_workspace_steps"])
+                for c in counts
+                if c["past_workspace_steps"] is not None
+            )
+            or "-"
+        )
         named = ", ".join(sorted({f"{r}, {v}" for r, v in runners(table, name)})) or "-"
         spec = spec_decode(table, name)
         accepted = (
@@ -216,7 +234,7 @@ def report(table: Path) -> str:
         )
         lines.append(
             f"| {name} | {row.accuracy:.3f} ± {row.stderr:.3f} | {agree} | {against} | {lost} "
-            f"| {p} | {forwards} | {checked} | {named} | {accepted} | {loaded or '-'} |"
+            f"| {p} | {forwards} | {checked} | {past} | {named} | {accepted} | {loaded or '-'} |"
         )
     return "\n".join(lines)
 

@@ -201,7 +201,8 @@ def _check_sparse_mla_attention(target: ModuleType) -> None:
         buffer = stock_buffer.fget(self)
         group = getattr(self, "index_group", None)
         index = getattr(self, "index_group_index", 0)
-        if group is not None and index > 0:
+        # A follower: in its leader's group, or in a private one (HYV4, ROCm DSA).
+        if group is not None and (index > 0 or not group.has_indexer):
             checker.read(checker.layer(group, index), "logical top-k", buffer)
         return buffer
 
