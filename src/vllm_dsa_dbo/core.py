@@ -8,13 +8,6 @@ it reads and writes microbatch 0's buffers from its first row in the whole batch
 (`dbo_current_ubatch_token_offset()`, as vLLM's routed-experts capturer does), and keeps
 its own ready events and valid counts. Only those counts are allocated.
 
-Rows past a microbatch's own are safe only in DBO's order. The indexer's padded decode
-path (and ROCm's sparse path) fills `topk_indices_buffer[:num_padded_tokens]`, so
-microbatch k's padding lands in microbatch k+1's rows; that is harmless because DBO's
-yields never let microbatch k run its next leader before microbatch k+1's followers of
-the previous leader have read (every layer from the first MoE one yields, and the
-dense layers before it run before microbatch k+1 starts).
-
 The upstream change has the same parts in vLLM's shape (docs/UPSTREAM.md):
 `topk_state` is `SparseMLAIndexGroup._topk_state()`, `resolve_logical_topk` is
 `ubatch_logical_topk_indices()`, `init_builder_state` / `add_layer_state` are the
@@ -106,6 +99,12 @@ class UbatchLogicalTopk:
 
     def ubatch_rows(self) -> torch.Tensor:
         """The calling microbatch's rows: the buffer from its token offset."""
+        # Rows past a microbatch's own are written only in DBO's order: the indexer's padded
+        # decode path (and ROCm's sparse path) fills `[:num_padded_tokens]`, so microbatch k's
+        # padding lands in microbatch k+1's rows. That is harmless because DBO's yields never
+        # let microbatch k run its next leader before microbatch k+1's followers of the
+        # previous leader have read: every layer from the first MoE one yields, and the dense
+        # layers before it run before microbatch k+1 starts.
         return self.buffer[dbo_current_ubatch_token_offset() :]
 
     # A sequence by microbatch id, microbatch 0's first, once followed: the upstream change's
