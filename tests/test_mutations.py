@@ -674,12 +674,6 @@ except KeyError:
         "if not reads_another_layers_topk(group):\n    return False",
         "tests/test_upstream_tree_load.py::test_glm5_loads_in_a_patched_tree_with_and_without_dbo",
     ),
-    "a tree's logical top-k list read as the plugin's": edit(
-        "diagnostics.refusals:extra_logical_topk",
-        'list(extra.buffers) if hasattr(extra, "buffers") else list(extra)[1:]',
-        "list(extra.buffers)",
-        "tests/test_upstream_tree_load.py::test_glm5_loads_in_a_patched_tree_with_and_without_dbo",
-    ),
     "a getter another plugin put back over the fix's loaded under DBO": edit(
         "diagnostics.refusals:check_wired",
         "num_ubatches > 1 and (differs := unresolved(model)) is not None",

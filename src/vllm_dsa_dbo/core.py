@@ -206,9 +206,9 @@ def resolve_logical_topk(
     ubatch_id = current_ubatch_id()
     if ubatch_id == 0 or not getattr(group, "leader_writes_follow_impl", False):
         return buffer
+    if hasattr(group, "ubatch_topk_rows"):  # vLLM's own: its rows at the token offset
+        return group.ubatch_topk_rows(buffer) if buffer is group.logical_topk_indices else buffer
     extra = group.ubatch_logical_topk
-    if type(extra) is not UbatchLogicalTopk:  # vLLM's own list, microbatch 0's first
-        return extra[ubatch_id] if extra and buffer is extra[0] else buffer
     if not extra.buffers or buffer is not extra.buffer:
         return buffer
     return extra.of_ubatch(ubatch_id)
@@ -308,8 +308,28 @@ def share_ubatch_logical_topk(
     for group in groups:
         group.ubatch_logical_topk = extra
         group.leader_writes_follow_impl = True
+        if hasattr(group, "ubatch_topk_rows"):  # a vLLM carrying the upstream change
+            tree_ubatch_topk(group, num_ubatches)
     for op, group in leaders:
         op.index_group = group
+
+
+def tree_ubatch_topk(group: SparseMLAIndexGroup, num_ubatches: int) -> None:
+    """Give a private group of a vLLM carrying the upstream change that vLLM's per-microbatch
+    state, so that its own getter resolves the calling microbatch's rows."""
+    from vllm.v1.attention.backends.mla.index_group import SparseMLAUbatchTopk
+
+    group.ubatch_topk = (
+        SparseMLAUbatchTopk(
+            group.valid_topk_counts, group.logical_topk_ready, group.physical_topk_ready
+        ),
+        *(
+            SparseMLAUbatchTopk(
+                torch.empty_like(group.valid_topk_counts), torch.Event(), torch.Event()
+            )
+            for _ in range(1, num_ubatches)
+        ),
+    )
 
 
 # Leaders whose logical top-k `torch.ops.vllm.sparse_attn_indexer` writes from a

@@ -36,12 +36,9 @@ def reads_another_layers_topk(group: SparseMLAIndexGroup) -> bool:
 
 
 def extra_logical_topk(group: Any) -> list[torch.Tensor]:
-    """The logical top-k buffers `group` holds for microbatches 1..: the plugin's, or those
-    of a vLLM that carries the upstream change (a list, microbatch 0's first)."""
+    """The logical top-k buffers the plugin gave `group` for microbatches 1.."""
     extra = getattr(group, "ubatch_logical_topk", None)
-    if extra is None:
-        return []
-    return list(extra.buffers) if hasattr(extra, "buffers") else list(extra)[1:]
+    return [] if extra is None else list(extra.buffers)
 
 
 def has_logical_copies(group: SparseMLAIndexGroup) -> bool:
@@ -211,8 +208,12 @@ def resolved_topk(model: Any, group: Any) -> dict[str, int | None]:
         found[f"{name}.impl"] = _address(impl.topk_indices_buffer)
         if reads_own_buffer(type(module)):
             found[name] = _address(module.topk_indices_buffer)
-    state = getattr(group, "_topk_state", lambda: group)()
-    found["physical"] = _address(state.physical_topk_indices)
+    if hasattr(group, "ubatch_topk_rows"):  # vLLM's own: its rows at the token offset
+        found["physical"] = _address(group.ubatch_topk_rows(group.physical_topk_indices))
+    else:
+        found["physical"] = _address(
+            getattr(group, "_topk_state", lambda: group)().physical_topk_indices
+        )
     return found
 
 

@@ -30,8 +30,10 @@ def ubatch_topk_bytes(groups: list[SparseMLAIndexGroup]) -> int:
     extra = {id(t): t for g in groups for t in extra_logical_topk(g)}
     for group in groups:
         for state in extra_topk_states(group):
-            for t in (state.physical_topk_indices, state.valid_topk_counts):
-                extra[id(t)] = t
+            # A vLLM carrying the upstream change keeps no physical rows per microbatch.
+            for t in (getattr(state, "physical_topk_indices", None), state.valid_topk_counts):
+                if t is not None:
+                    extra[id(t)] = t
     return _bytes([t for key, t in extra.items() if key not in ubatch0])
 
 
