@@ -618,8 +618,8 @@ except KeyError:
     ),
     "upstream change adds a mypy error": text(
         UPSTREAM_CHANGE,
-        '    impl: "SparseMLACommonImpl"\n',
-        "",
+        "                self.impl.topk_indices_buffer,  # type: ignore[attr-defined]\n",
+        "                self.impl.topk_indices_buffer,\n",
         UPSTREAM_HOOKS_TEST,
     ),
     "upstream change calls torch.cuda": text(

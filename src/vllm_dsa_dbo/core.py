@@ -316,20 +316,15 @@ def share_ubatch_logical_topk(
 
 def tree_ubatch_topk(group: SparseMLAIndexGroup, num_ubatches: int) -> None:
     """Give a private group of a vLLM carrying the upstream change that vLLM's per-microbatch
-    state, so that its own getter resolves the calling microbatch's rows."""
+    state, so that its own getter resolves the calling microbatch's rows: the group's own
+    counts and events for every microbatch, as such a group converts and reads its top-k
+    within one layer, with no yield in between."""
     from vllm.v1.attention.backends.mla.index_group import SparseMLAUbatchTopk
 
-    group.ubatch_topk = (
-        SparseMLAUbatchTopk(
-            group.valid_topk_counts, group.logical_topk_ready, group.physical_topk_ready
-        ),
-        *(
-            SparseMLAUbatchTopk(
-                torch.empty_like(group.valid_topk_counts), torch.Event(), torch.Event()
-            )
-            for _ in range(1, num_ubatches)
-        ),
+    own = SparseMLAUbatchTopk(
+        group.valid_topk_counts, group.logical_topk_ready, group.physical_topk_ready
     )
+    group.ubatch_topk = (own,) * num_ubatches
 
 
 # Leaders whose logical top-k `torch.ops.vllm.sparse_attn_indexer` writes from a

@@ -41,9 +41,15 @@ def extra_logical_topk(group: Any) -> list[torch.Tensor]:
     return [] if extra is None else list(extra.buffers)
 
 
+def ubatch_count(group: Any) -> int:
+    """The microbatches `group` keeps top-k for: a vLLM carrying the upstream change's
+    `ubatch_topk`, one per microbatch, else the plugin's logical buffers and microbatch 0's."""
+    return len(getattr(group, "ubatch_topk", ())) or len(extra_logical_topk(group)) + 1
+
+
 def has_logical_copies(group: SparseMLAIndexGroup) -> bool:
-    """Whether `group` holds extra microbatches' logical buffers."""
-    return bool(extra_logical_topk(group))
+    """Whether `group` keeps top-k for extra microbatches."""
+    return ubatch_count(group) > 1
 
 
 def followed_groups(groups: list[SparseMLAIndexGroup]) -> list[SparseMLAIndexGroup]:

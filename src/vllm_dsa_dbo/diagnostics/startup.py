@@ -11,6 +11,7 @@ from vllm_dsa_dbo.diagnostics.refusals import (
     has_logical_copies,
     index_groups,
     sparse_mla_backend,
+    ubatch_count,
 )
 from vllm_dsa_dbo.ubatch_buffers import stored_buffer, ubatch_copies
 
@@ -69,7 +70,7 @@ def describe(model: Any) -> str | None:
         )
         return (
             f"vllm-dsa-dbo: {name} keeps shared top-k per DBO microbatch: "
-            f"{len(extra_logical_topk(copied[0])) + 1} microbatches, "
+            f"{ubatch_count(copied[0])} microbatches, "
             f"{len(followed_groups(copied))} index groups with followers, {allocated:,} bytes "
             f"({allocated / 2**20:.1f} MiB) allocated; sparse MLA backend {', '.join(backends)}"
         )

@@ -134,26 +134,14 @@ class SparseMLAUbatchTopk:
         ),
     },
     "vllm/models/deepseek_v32/attention.py": {
-        "if TYPE_CHECKING:": (
-            "296473bdb28bdcb5ac67b0beda37ba3970bf30c38682a57e2568d64111d5fc0c",
-            "ffdd8bd145378cd5e53331e47f40d1dd9f476e034e2ca34cb589a48ab7297a09",
-            """\
-@@ 2 2
-    from vllm.model_executor.layers.attention.sparse_mla_attention import (
-        SparseMLACommonImpl,
-    )
-""",
-        ),
         "DeepseekV32Attention": (
             "d3f26c9a34c0b99de811510f178bdc46d16bdc6d47fd3e06d134761fcaece4d8",
-            "e7c5ddc38f249bc249f68cb1e7465ae634b9f6ce437268f3fd1e5d4bbc104699",
+            "bea0bf43915c18cb52be1e5c9a1318d1701b0756798aa82e8f28b83553581f9f",
             """\
-@@ 1 1
-    impl: "SparseMLACommonImpl"
 @@ 272 273
-            self.impl.topk_indices_buffer,
+            self.impl.topk_indices_buffer,  # type: ignore[attr-defined]
 @@ 380 381
-                self.impl.topk_indices_buffer,
+                self.impl.topk_indices_buffer,  # type: ignore[attr-defined]
 """,
         ),
     },
@@ -280,12 +268,18 @@ def test_deepseek_v32_leader_writes_the_topk_its_followers_read(monkeypatch):
     builder = SparseMLAIndexGroupBuilder(logical, num_ubatches=2)
     group, leader_index = builder.register_layer(True)
     _, follower_index = builder.register_layer(False)
-    impl, follower = SharedTopkIndicesBuffer(), SharedTopkIndicesBuffer()
+
+    class LeaderImpl(SharedTopkIndicesBuffer):
+        def prepare_for_batch(self, attn_metadata: object) -> None:
+            pass
+
+        def record_logical_topk_ready(self) -> None:
+            group.set_logical_topk_ready(leader_index)
+
+    impl, follower = LeaderImpl(), SharedTopkIndicesBuffer()
     impl.init_topk_indices_buffer(None, logical)
     follower.init_topk_indices_buffer(None, logical)
     impl.index_group = follower.index_group = group
-    impl.prepare_for_batch = lambda attn_metadata: None
-    impl.record_logical_topk_ready = lambda: group.set_logical_topk_ready(leader_index)
 
     def fused_norm_rope(*args, **kwargs):
         # Clears the leader's top-k rows, as the fused kernel does.

@@ -128,26 +128,14 @@ class SparseMLAUbatchTopk:
         ),
     },
     "vllm/models/deepseek_v32/attention.py": {
-        "if TYPE_CHECKING:": (
-            "296473bdb28bdcb5ac67b0beda37ba3970bf30c38682a57e2568d64111d5fc0c",
-            "ffdd8bd145378cd5e53331e47f40d1dd9f476e034e2ca34cb589a48ab7297a09",
-            """\
-@@ 2 2
-    from vllm.model_executor.layers.attention.sparse_mla_attention import (
-        SparseMLACommonImpl,
-    )
-""",
-        ),
         "DeepseekV32Attention": (
             "2aa48782dee21fecca86866f2384f8961782905191b705d735f7bc90da8b4c17",
-            "f88c710286869db77f95716f84ab50d04240dbe56d2c116604408527c3ed5701",
+            "e3b23d3044bfa32aaee467658d8a861dd26d11548ca2a9978ebe98b9b4bffe9b",
             """\
-@@ 1 1
-    impl: "SparseMLACommonImpl"
 @@ 261 262
-            self.impl.topk_indices_buffer,
+            self.impl.topk_indices_buffer,  # type: ignore[attr-defined]
 @@ 368 369
-                self.impl.topk_indices_buffer,
+                self.impl.topk_indices_buffer,  # type: ignore[attr-defined]
 """,
         ),
     },
@@ -341,12 +329,18 @@ def test_deepseek_v32_leader_writes_the_topk_its_followers_read(monkeypatch):
     builder = SparseMLAIndexGroupBuilder(logical, num_ubatches=2)
     group, leader_index = builder.register_layer(True)
     _, follower_index = builder.register_layer(False)
-    impl, follower = SharedTopkIndicesBuffer(), SharedTopkIndicesBuffer()
+
+    class LeaderImpl(SharedTopkIndicesBuffer):
+        def prepare_for_batch(self, attn_metadata: object) -> None:
+            pass
+
+        def record_logical_topk_ready(self) -> None:
+            group.set_logical_topk_ready(leader_index)
+
+    impl, follower = LeaderImpl(), SharedTopkIndicesBuffer()
     impl.init_topk_indices_buffer(None, logical)
     follower.init_topk_indices_buffer(None, logical)
     impl.index_group = follower.index_group = group
-    impl.prepare_for_batch = lambda attn_metadata: None
-    impl.record_logical_topk_ready = lambda: group.set_logical_topk_ready(leader_index)
 
     def fused_norm_rope(*args, **kwargs):
         # Clears the leader's top-k rows, as the fused kernel does.
