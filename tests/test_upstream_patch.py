@@ -151,13 +151,14 @@ HALVES = {
     ),
     "DeepseekV32Attention's fused_norm_rope writes the model's buffer": (
         DSV32_ATTENTION,
-        "            indexer_k_rope_cos_sin_cache,\n            self.impl.topk_indices_buffer,\n",
+        "            indexer_k_rope_cos_sin_cache,\n"
+        "            self.impl.topk_indices_buffer,  # type: ignore[attr-defined]\n",
         "            indexer_k_rope_cos_sin_cache,\n            self.topk_indices_buffer,\n",
     ),
     "DeepseekV32Attention's sparse_attn_indexer writes the model's buffer": (
         DSV32_ATTENTION,
         "                self.indexer.max_total_seq_len,\n"
-        "                self.impl.topk_indices_buffer,\n",
+        "                self.impl.topk_indices_buffer,  # type: ignore[attr-defined]\n",
         "                self.indexer.max_total_seq_len,\n"
         "                self.topk_indices_buffer,\n",
     ),
