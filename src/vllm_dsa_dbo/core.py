@@ -8,7 +8,7 @@ copies of the buffers, or (layout "offsets") microbatch 0's buffers from the cal
 microbatch's first row in the whole batch, as vLLM's routed-experts capturer does.
 The upstream change has the same parts in vLLM's shape (docs/UPSTREAM.md):
 `topk_state` is `SparseMLAIndexGroup._topk_state()`, `resolve_logical_topk` is
-`ubatch_logical_topk_indices()`, `init_builder_state` / `add_layer_state` are the
+`ubatch_topk_rows()`, `init_builder_state` / `add_layer_state` are the
 builder's `__init__(..., num_ubatches)` / `_add_ubatch_topk`.
 """
 
