@@ -42,7 +42,7 @@ def test_dbo_ubatch_followers_read_their_own_leaders_topk(fake_gpu):
 
     assert group_a.ubatch_topk_states == ()
     assert len(group_b.ubatch_topk_states) == 1
-    assert len(stack.builder.ubatch_logical_topk) == 2
+    assert stack.builder.ubatch_logical_topk.followed
     assert group_a.ubatch_logical_topk is stack.builder.ubatch_logical_topk
     assert group_b.ubatch_logical_topk is stack.builder.ubatch_logical_topk
 
@@ -168,7 +168,7 @@ def test_dbo_ubatch_outside_microbatch_threads_resolves_ubatch0(fake_gpu):
 def test_dbo_ubatch_no_dbo_allocates_nothing(fake_gpu, num_ubatches):
     stack = SharedTopkStack(LEADERS, num_ubatches=num_ubatches)
     assert stack.builder.num_ubatches == 1
-    assert len(stack.builder.ubatch_logical_topk) == 0
+    assert not stack.builder.ubatch_logical_topk.followed
     assert stack.impls[1].index_group.ubatch_topk_states == ()
 
 

@@ -77,7 +77,7 @@ def test_glm53_geometry_is_77900_bytes():
 def test_no_dbo_allocates_nothing(fake_gpu):
     builder, followed = build(glm5_leaders(78, 4, 3), num_ubatches=1)
     assert followed == []
-    assert len(builder.ubatch_logical_topk) == 0
+    assert not builder.ubatch_logical_topk.followed
 
 
 def test_bad_num_ubatches_is_refused(fake_gpu):

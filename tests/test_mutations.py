@@ -77,9 +77,7 @@ AB_TWO_RUNS_TEST = "tests/test_ab.py::test_a_folder_with_two_runs_is_refused"
 UPSTREAM = "tests/test_upstream_patch.py"
 # The installed release's change, the data upstream-patch writes in its trees.
 UPSTREAM_CHANGE = f"upstream.change_{vllm_sdist.VERSION.replace('.', '_')}"
-UPSTREAM_CODE_TEST = (
-    f"{UPSTREAM}::test_model_passes_the_microbatch_count_and_writers_take_the_impls_buffer"
-)
+UPSTREAM_CODE_TEST = f"{UPSTREAM}::test_models_pass_the_microbatch_count"
 UPSTREAM_HOOKS_TEST = f"{UPSTREAM}::test_patched_tree_passes_vllms_hooks_and_adds_no_mypy_error"
 UPSTREAM_REFUSAL_TEST = (
     f"{UPSTREAM}::test_tree_the_change_does_not_fit_is_refused_and_nothing_written"
@@ -440,25 +438,22 @@ except KeyError:
         "pass",
         LEFT_OUT_TEST,
     ),
-    "the compiled op writes microbatch 0's buffer of vLLM's own list (a tree)": edit(
+    "the compiled op writes microbatch 0's rows of vLLM's own (a tree)": edit(
         "core:resolve_logical_topk",
-        "extra[ubatch_id] if extra and buffer is extra[0] else buffer",
+        "group.ubatch_topk_rows(buffer) if buffer is group.logical_topk_indices else buffer",
         "buffer",
         LEFT_OUT_TEST,
     ),
-    "vLLM's getter reads microbatch 0's rows of the plugin's buffer (HYV4 in a tree)": edit(
-        "core:UbatchLogicalTopk.__getitem__", None, "return self.buffer", LEFT_OUT_TEST
-    ),
     "a tree's private follower groups always refused": edit(
         "diagnostics.refusals:left_shared",
-        "len(extra_logical_topk(group)) + 1 < num_ubatches or not getattr("
+        "ubatch_count(group) < num_ubatches or not getattr("
         "group, 'leader_writes_follow_impl', False)",
         "True",
         LEFT_OUT_TEST,
     ),
     "a tree's private follower groups never refused": edit(
         "diagnostics.refusals:left_shared",
-        "len(extra_logical_topk(group)) + 1 < num_ubatches or not getattr("
+        "ubatch_count(group) < num_ubatches or not getattr("
         "group, 'leader_writes_follow_impl', False)",
         "False",
         LEFT_OUT_TEST,

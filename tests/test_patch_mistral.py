@@ -308,7 +308,7 @@ def test_mistral_without_dbo_allocates_nothing(fake_gpu, monkeypatch):
 
     model = build_model(monkeypatch, fake_gpu, enable_dbo=False)
     groups = [layer.self_attn.attn.impl.index_group for layer in model.layers]
-    assert all(not g.ubatch_logical_topk and not g.ubatch_topk_states for g in groups)
+    assert all(not g.ubatch_logical_topk.followed and not g.ubatch_topk_states for g in groups)
     check_wired(model)
     assert describe(model) is None
 

@@ -260,7 +260,7 @@ def test_rocm_dsa_followers_read_their_own_leaders_topk(fake_gpu, monkeypatch):
     assert len(reads) == 8 and len(step.op_buffers) == 4
     # Microbatch 1's leaders wrote its own buffer, microbatch 0's vLLM's own.
     extra = groups[0].ubatch_logical_topk
-    assert len(extra) == 2 and all(g.ubatch_logical_topk is extra for g in groups)
+    assert extra.followed and all(g.ubatch_logical_topk is extra for g in groups)
     ubatch1 = ubatch1_logical(extra)
     assert sorted(address(b) == ubatch1 for b in step.op_buffers) == [False, False, True, True]
     check_wired(model, 2)
@@ -273,7 +273,7 @@ def test_rocm_dsa_without_dbo_allocates_nothing(fake_gpu, monkeypatch):
 
     model = build_rocm_dsa_model(monkeypatch, fake_gpu, enable_dbo=False)
     attns = [layer.self_attn for layer in model.layers]
-    assert all(not a.impl.index_group.ubatch_logical_topk for a in attns)
+    assert all(a.impl.index_group.ubatch_logical_topk is None for a in attns)
     assert all(a.indexer_op.index_group is None for a in attns if a.indexer_op is not None)
     check_wired(model)
     assert describe(model) is None

@@ -9,6 +9,7 @@ the whole released source tree and runs vLLM's own tests in it.
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import importlib.util
 import json
@@ -44,6 +45,7 @@ INDEX_GROUP = "vllm/v1/attention/backends/mla/index_group.py"
 SPARSE_MLA = "vllm/model_executor/layers/attention/sparse_mla_attention.py"
 DSV32_ATTENTION = "vllm/models/deepseek_v32/attention.py"
 MISTRAL_ATTENTION = "vllm/models/mistral/nvidia/attention.py"
+MISTRAL_INDEXER = "vllm/models/mistral/nvidia/indexer.py"
 ADDED = [p for p in EDITS if upstream.NEW_FILE in CHANGE.files[p]] if CHANGE else []
 # What vLLM's hooks read besides the files they check.
 HOOK_INPUTS = ("PKG-INFO", "pyproject.toml", ".pre-commit-config.yaml", "tools/", ".buildkite/")
@@ -107,39 +109,71 @@ def run_new_test(root: Path) -> subprocess.CompletedProcess:
         "VLLM_PLUGINS": "",
     }
     # In that one process: this repository's pytest settings would start two workers.
-    args = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", str(RUNNER)]
+    args = ["-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "-n", "0", str(RUNNER)]
     return fresh.python(args, env, cwd=root)
+
+
+def outcomes(out: str) -> dict[str, set[str]]:
+    """The test functions of a `run_new_test` output, by outcome (PASSED, FAILED, ERROR)."""
+    found: dict[str, set[str]] = {}
+    for outcome, name in re.findall(r"^(PASSED|FAILED|ERROR) \S+::(\w+)", out, re.M):
+        found.setdefault(outcome, set()).add(name)
+    return found
 
 
 def test_new_test_passes_in_the_patched_tree(released, tmp_path):
     result = run_new_test(patched_tree(released, tmp_path, link=True))
     out = result.stdout
-    assert f"{len(NEW_TESTS)} passed" in out, out[-3000:] + result.stderr[-3000:]
+    assert outcomes(out) == {"PASSED": set(NEW_TESTS)}, out[-3000:] + result.stderr[-3000:]
 
 
-# Each half of the fix taken out of the patched tree: (file, what the change wrote, instead).
+# Each half of the fix taken out of the patched tree, and each leader's writer put back to
+# the model's buffer: (file, what the change wrote, instead).
 HALVES = {
-    "followers read microbatch 0's physical top-k": (
+    "followers read microbatch 0's rows": (
+        INDEX_GROUP,
+        "        return rows[dbo_current_ubatch_token_offset() :]\n",
+        "        return rows\n",
+    ),
+    "microbatches share microbatch 0's valid counts and events": (
         INDEX_GROUP,
         "        return self.ubatch_topk[dbo_current_ubatch_id()]\n",
         "        return self\n",
     ),
-    "followers read microbatch 0's logical top-k": (
+    "the impl's getter reads microbatch 0's logical rows": (
         SPARSE_MLA,
-        "        return group.ubatch_logical_topk_indices(buffer)\n",
+        "        return self.index_group.ubatch_topk_rows(buffer)\n",
         "        return buffer\n",
     ),
-    "the builder allocates no per-microbatch state": (
+    "the builder keeps no per-microbatch state": (
         INDEX_GROUP,
         "        if group_index == 1 and self.num_ubatches > 1:\n",
         "        if False:\n",
     ),
-    # Mistral Large 4 (vLLM 0.34.0): its leader's writers, where the change has them.
-    "a Mistral leader's indexer writes the model's buffer": (
+    "DeepseekV32Attention's fused_norm_rope writes the model's buffer": (
+        DSV32_ATTENTION,
+        "            indexer_k_rope_cos_sin_cache,\n"
+        "            self.impl.topk_indices_buffer,  # type: ignore[attr-defined]\n",
+        "            indexer_k_rope_cos_sin_cache,\n            self.topk_indices_buffer,\n",
+    ),
+    "DeepseekV32Attention's sparse_attn_indexer writes the model's buffer": (
+        DSV32_ATTENTION,
+        "                self.indexer.max_total_seq_len,\n"
+        "                self.impl.topk_indices_buffer,  # type: ignore[attr-defined]\n",
+        "                self.indexer.max_total_seq_len,\n"
+        "                self.topk_indices_buffer,\n",
+    ),
+    # Mistral Large 4 (vLLM 0.34.0): its leader's wiring and its indexer's hand-off to its op.
+    "a Mistral leader hands its indexer the model's buffer": (
         MISTRAL_ATTENTION,
         "            topk_indices_buffer = self.attn.impl.topk_indices_buffer"
         "  # type: ignore[attr-defined]\n",
         "            topk_indices_buffer = indexer.topk_indices_buffer\n",
+    ),
+    "a Mistral indexer's op writes the model's buffer": (
+        MISTRAL_INDEXER,
+        "        self.indexer_op.topk_indices_buffer = topk_indices_buffer\n",
+        "",
     ),
 }
 HALVES = {name: half for name, half in HALVES.items() if half[0] in EDITS}
@@ -157,6 +191,53 @@ def test_new_test_fails_on_the_bug_with_half_the_fix_removed(released, tmp_path,
     out = result.stdout
     assert re.search(r"\b\d+ failed", out) and "AssertionError" in out, out[-3000:]
     assert not re.search(r"\b(Type|Attribute|Key|Index)Error\b", out), out[-3000:]
+    # A test of the part of the change the half belongs to.
+    part = CHANGE.parts[upstream.part_of(path)]
+    assert outcomes(out).get("FAILED", set()) & set(sum(part.tests.values(), [])), out[-3000:]
+
+
+@pytest.mark.skipif(len(CHANGE.parts) < 2 if CHANGE else True, reason="one part")
+def test_the_core_applies_alone_and_the_next_part_on_top_of_it(released, tmp_path, capsys):
+    """`--core-only` writes the core's files and its tests pass there; a later run adds the
+    Mistral Large 4 part alone, to the tree one run makes."""
+    core, mistral = CHANGE.parts.values()
+    tree = small_tree(released, tmp_path / "tree", link=True)
+    before = snapshot(tree)
+    assert main(["upstream-patch", "--core-only", str(tree)]) == 0
+    after = snapshot(tree)
+    assert {p for p in after if after[p] != before.get(p)} == set(core.files)
+    result = run_new_test(tree)
+    core_tests = set(sum(core.tests.values(), []))
+    assert outcomes(result.stdout) == {"PASSED": core_tests}, result.stdout[-3000:]
+
+    capsys.readouterr()
+    assert main(["upstream-patch", str(tree)]) == 0
+    assert set(re.findall(r"^diff --git a/(\S+)", capsys.readouterr().out, re.M)) == set(
+        mistral.files
+    )
+    assert snapshot(tree) == snapshot(patched_tree(released, tmp_path / "whole", link=True))
+
+
+def hisparse_refusals(text: str) -> list[str]:
+    """The messages of the errors `text`'s code raises about HiSparse."""
+    return [
+        node.exc.args[0].value
+        for node in ast.walk(ast.parse(text))
+        if isinstance(node, ast.Raise)
+        and isinstance(node.exc, ast.Call)
+        and node.exc.args
+        and isinstance(node.exc.args[0], ast.Constant)
+        and "HiSparse" in str(node.exc.args[0].value)
+    ]
+
+
+def test_the_tree_refuses_hisparse_under_dbo_as_the_plugin_does(released, tmp_path):
+    """Both refuse HiSparse groups with followers under DBO, in the same words (the tree's
+    raise at startup runs in the change's tests)."""
+    tree = patched_tree(released, tmp_path)
+    plugin = hisparse_refusals(Path(patches.__file__).with_name("index_group.py").read_text())
+    assert len(plugin) == 1
+    assert hisparse_refusals((tree / INDEX_GROUP).read_text()) == plugin
 
 
 def mypy_groups(root: Path, files: list[str]) -> dict[str, list[str]]:
@@ -295,28 +376,20 @@ def test_plugin_in_a_patched_tree_retires_only_what_the_tree_carries(released, t
 
 
 # The edits the CPU tests cannot reach, as the patched files hold them: per file, each text
-# and how often. They run in models that need a GPU to build (DeepseekV32Model and
-# DeepseekV32Attention; MistralLarge4Model and MistralIndexer, vLLM 0.34.0).
+# and how often. They run in models that need a GPU to build (DeepseekV32Model;
+# MistralLarge4Model, vLLM 0.34.0).
 WRITTEN = {
     "vllm/models/deepseek_v32/nvidia/model.py": {
         "            get_num_ubatches(vllm_config.parallel_config),\n": 1,
     },
-    DSV32_ATTENTION: {"self.impl.topk_indices_buffer,  # type: ignore[attr-defined]\n": 2},
     "vllm/models/mistral/mistral_large4/nvidia/model.py": {
         "                get_num_ubatches(vllm_config.parallel_config),\n": 1,
-    },
-    # Both writers: the fused Q launch and the op, given the buffer before each call.
-    "vllm/models/mistral/nvidia/indexer.py": {
-        "topk_indices=topk_indices_buffer if self.fuse_k_cache else None,\n": 1,
-        "        self.indexer_op.topk_indices_buffer = topk_indices_buffer\n": 1,
-        "self.indexer_op(hidden_states, q_fp8, k, weights)": 2,
     },
 }
 
 
-def test_model_passes_the_microbatch_count_and_writers_take_the_impls_buffer(released, tmp_path):
-    """The models build their index groups for the run's microbatches, and the leaders'
-    writers take the buffer their impl resolves."""
+def test_models_pass_the_microbatch_count(released, tmp_path):
+    """The models build their index groups for the run's microbatches."""
     tree = patched_tree(released, tmp_path)
     for path in set(WRITTEN) & set(EDITS):
         text = (tree / path).read_text()
@@ -526,6 +599,9 @@ def test_released_tree_patched_runs_vllms_sparse_mla_tests_unchanged(tmp_path):
     assert upstream_tree.imports_from(tree) == str(tree / "vllm" / "__init__.py")
 
     summary, after = upstream_tree.run(tree, vllm_sdist.sparse_mla_tests_on_cpu(tree))
+    # The change's own tests there (its HiSparse refusal) pass; every other outcome is kept.
+    new = {t for t in after if t.rsplit("::", 1)[1].split("[")[0] in NEW_TESTS}
+    assert new and {after.pop(t) for t in new} == {"passed"}, summary
     assert after and set(after.values()) <= {"passed", "skipped"}, summary
     assert after == before and "passed" in after.values(), summary
 

@@ -558,7 +558,7 @@ def upstream_patch(args: argparse.Namespace) -> int:
     if out is not None and out.exists():
         raise UsageError(f"--out {out} exists: name a new folder for the patched copy")
     try:
-        changes = upstream.plan(src)
+        changes = upstream.plan(src, first_only=args.core_only)
     except upstream.PatchRefused as e:
         raise UsageError(f"cannot patch {src}: {e}; nothing written") from None
     sys.stdout.writelines(upstream.unified_diff(changes))
@@ -655,6 +655,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("src", metavar="SRC", help="root of a vLLM source tree (git checkout or sdist)")
     p.add_argument("--out", metavar="DIR", help="write the patched tree to DIR, a new copy of SRC")
     p.add_argument("--dry-run", action="store_true", help="print the diff, write nothing")
+    p.add_argument(
+        "--core-only",
+        action="store_true",
+        help="the core change alone (GLM-5, DeepSeek-V3.2: the upstream PR's scope), not the "
+        "Mistral Large 4 change (vLLM 0.34.0) that applies on top of it; a later run without "
+        "it adds that change alone",
+    )
     p.set_defaults(func=upstream_patch)
 
     sub.add_parser(

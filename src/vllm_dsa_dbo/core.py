@@ -10,7 +10,7 @@ its own ready events and valid counts. Only those counts are allocated.
 
 The upstream change has the same parts in vLLM's shape (docs/UPSTREAM.md):
 `topk_state` is `SparseMLAIndexGroup._topk_state()`, `resolve_logical_topk` is
-`ubatch_logical_topk_indices()`, `init_builder_state` / `add_layer_state` are the
+`ubatch_topk_rows()`, `init_builder_state` / `add_layer_state` are the
 builder's `__init__(..., num_ubatches)` / `_add_ubatch_topk`.
 """
 
@@ -107,16 +107,6 @@ class UbatchLogicalTopk:
         # layers before it run before microbatch k+1 starts.
         return self.buffer[dbo_current_ubatch_token_offset() :]
 
-    # A sequence by microbatch id, microbatch 0's first, once followed: the upstream change's
-    # shape, so that a vLLM carrying it resolves this buffer through its own group's lookup.
-    def __len__(self) -> int:
-        return self.num_ubatches if self.followed else 0
-
-    def __getitem__(self, ubatch_id: int) -> torch.Tensor:
-        if not 0 <= ubatch_id < len(self):
-            raise IndexError(ubatch_id)
-        return self.ubatch_rows() if ubatch_id else self.buffer
-
 
 def topk_state(
     group: SparseMLAIndexGroup,
@@ -182,9 +172,9 @@ def resolve_logical_topk(
     ubatch_id = current_ubatch_id()
     if ubatch_id == 0 or not getattr(group, "leader_writes_follow_impl", False):
         return buffer
+    if hasattr(group, "ubatch_topk_rows"):  # vLLM's own: its rows at the token offset
+        return group.ubatch_topk_rows(buffer) if buffer is group.logical_topk_indices else buffer
     extra = group.ubatch_logical_topk
-    if type(extra) is not UbatchLogicalTopk:  # vLLM's own list, microbatch 0's first
-        return extra[ubatch_id] if extra and buffer is extra[0] else buffer
     if not extra.followed or buffer is not extra.buffer:
         return buffer
     return extra.ubatch_rows()
@@ -281,8 +271,23 @@ def share_ubatch_logical_topk(
     for group in groups:
         group.ubatch_logical_topk = extra
         group.leader_writes_follow_impl = True
+        if hasattr(group, "ubatch_topk_rows"):  # a vLLM carrying the upstream change
+            tree_ubatch_topk(group, num_ubatches)
     for op, group in leaders:
         op.index_group = group
+
+
+def tree_ubatch_topk(group: SparseMLAIndexGroup, num_ubatches: int) -> None:
+    """Give a private group of a vLLM carrying the upstream change that vLLM's per-microbatch
+    state, so that its own getter resolves the calling microbatch's rows: the group's own
+    counts and events for every microbatch, as such a group converts and reads its top-k
+    within one layer, with no yield in between."""
+    from vllm.v1.attention.backends.mla.index_group import SparseMLAUbatchTopk
+
+    own = SparseMLAUbatchTopk(
+        group.valid_topk_counts, group.logical_topk_ready, group.physical_topk_ready
+    )
+    group.ubatch_topk = (own,) * num_ubatches
 
 
 # Leaders whose logical top-k `torch.ops.vllm.sparse_attn_indexer` writes from a

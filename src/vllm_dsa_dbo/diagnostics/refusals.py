@@ -35,16 +35,18 @@ def reads_another_layers_topk(group: SparseMLAIndexGroup) -> bool:
     return group.num_layers > 1 or not group.has_indexer
 
 
-def extra_logical_topk(group: Any) -> list[torch.Tensor]:
-    """The logical top-k buffers `group` resolves for microbatches 1..: the plugin's, or those
-    of a vLLM that carries the upstream change (a sequence, microbatch 0's first)."""
+def ubatch_count(group: Any) -> int:
+    """The microbatches `group` keeps top-k for: a vLLM carrying the upstream change's
+    `ubatch_topk`, one per microbatch, else the plugin's logical buffer's once followed."""
+    if getattr(group, "ubatch_topk", ()):
+        return len(group.ubatch_topk)
     extra = getattr(group, "ubatch_logical_topk", None)
-    return [] if extra is None else list(extra)[1:]
+    return extra.num_ubatches if extra is not None and extra.followed else 1
 
 
 def keeps_logical_per_ubatch(group: SparseMLAIndexGroup) -> bool:
-    """Whether `group` resolves its logical buffer for extra microbatches."""
-    return bool(extra_logical_topk(group))
+    """Whether `group` keeps top-k for extra microbatches."""
+    return ubatch_count(group) > 1
 
 
 def followed_groups(groups: list[SparseMLAIndexGroup]) -> list[SparseMLAIndexGroup]:
@@ -75,7 +77,7 @@ def left_shared(group: Any, num_ubatches: int) -> bool:
             return False
         if group.num_layers > 1:
             return len(group.ubatch_topk) < num_ubatches
-        return len(extra_logical_topk(group)) + 1 < num_ubatches or not getattr(
+        return ubatch_count(group) < num_ubatches or not getattr(
             group, "leader_writes_follow_impl", False
         )
     if getattr(group, "num_ubatches", 1) < num_ubatches:
@@ -209,8 +211,12 @@ def resolved_topk(model: Any, group: Any) -> dict[str, int | None]:
         found[f"{name}.impl"] = _address(impl.topk_indices_buffer)
         if reads_own_buffer(type(module)):
             found[name] = _address(module.topk_indices_buffer)
-    state = getattr(group, "_topk_state", lambda: group)()
-    found["physical"] = _address(state.physical_topk_indices)
+    if hasattr(group, "ubatch_topk_rows"):  # vLLM's own: its rows at the token offset
+        found["physical"] = _address(group.ubatch_topk_rows(group.physical_topk_indices))
+    else:
+        found["physical"] = _address(
+            getattr(group, "_topk_state", lambda: group)().physical_topk_indices
+        )
     return found
 
 

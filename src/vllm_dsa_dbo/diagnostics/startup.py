@@ -6,11 +6,11 @@ from typing import TYPE_CHECKING, Any
 
 from vllm_dsa_dbo.core import extra_topk_states
 from vllm_dsa_dbo.diagnostics.refusals import (
-    extra_logical_topk,
     followed_groups,
     index_groups,
     keeps_logical_per_ubatch,
     sparse_mla_backend,
+    ubatch_count,
 )
 from vllm_dsa_dbo.ubatch_buffers import stored_buffer, ubatch_copies
 
@@ -20,18 +20,14 @@ if TYPE_CHECKING:
 
 
 def ubatch_topk_bytes(groups: list[SparseMLAIndexGroup]) -> int:
-    """Bytes allocated for extra microbatches across `groups`: the storage of their tensors,
-    once each, less microbatch 0's, whose rows they read from their token offset."""
-    ubatch0 = {
-        _storage(t)
-        for g in groups
-        for t in (g.logical_topk_indices, g.physical_topk_indices, g.valid_topk_counts)
+    """Bytes allocated for extra microbatches across `groups`: their valid counts, once each,
+    less microbatch 0's (they read its top-k rows from their token offset)."""
+    ubatch0 = {_storage(g.valid_topk_counts) for g in groups}
+    extra = {
+        _storage(state.valid_topk_counts): state.valid_topk_counts
+        for group in groups
+        for state in extra_topk_states(group)
     }
-    extra = {_storage(t): t for g in groups for t in extra_logical_topk(g)}
-    for group in groups:
-        for state in extra_topk_states(group):
-            for t in (state.physical_topk_indices, state.valid_topk_counts):
-                extra[_storage(t)] = t
     return sum(t.untyped_storage().nbytes() for key, t in extra.items() if key not in ubatch0)
 
 
@@ -71,7 +67,7 @@ def describe(model: Any) -> str | None:
         )
         return (
             f"vllm-dsa-dbo: {name} keeps shared top-k per DBO microbatch: "
-            f"{len(extra_logical_topk(kept[0])) + 1} microbatches, "
+            f"{ubatch_count(kept[0])} microbatches, "
             f"{len(followed_groups(kept))} index groups with followers, {allocated:,} bytes "
             f"({allocated / 2**20:.1f} MiB) allocated; sparse MLA backend {', '.join(backends)}"
         )

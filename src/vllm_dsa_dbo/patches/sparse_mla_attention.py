@@ -16,7 +16,7 @@ def in_tree(target: ModuleType) -> str | None:
     )
     if getattr(getter, "__module__", None) != target.__name__:
         return None
-    if "ubatch_logical_topk_indices" not in getter.__code__.co_names:
+    if "ubatch_topk_rows" not in getter.__code__.co_names:
         return None
     return "SharedTopkIndicesBuffer.topk_indices_buffer resolves per microbatch (vllm PR #60734)"
 

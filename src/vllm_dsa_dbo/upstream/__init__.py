@@ -8,6 +8,10 @@ change (which tells a second run apart), and its edits, each an `@@ first last` 
 lines that replace lines [first, last) of the statement. A tree where a statement differs is
 refused, as `git apply --check` refuses changed context, and nothing is written. Only the
 lines the change writes are kept here.
+
+A release's change comes in parts (`PARTS`), each applying on top of those before it: the core
+(the upstream PR's scope: GLM-5, DeepSeek-V3.2), then Mistral Large 4 (vLLM 0.34.0). A tree
+that carries the first parts whole takes the next ones alone.
 """
 
 from __future__ import annotations
@@ -36,6 +40,17 @@ NEW_FILE = ""
 
 # Per file, per statement: (its sha256 in the release, in a tree with the change, the edits).
 Statements = Mapping[str, Mapping[str, tuple[str, str, str]]]
+# The parts of a change, in the order they apply: (name, the folders of its files); the first
+# takes every file no other part names.
+PARTS = (
+    ("core", ()),
+    ("mistral-large-4", ("vllm/models/mistral/", "tests/models/mistral/")),
+)
+
+
+def part_of(path: str) -> str:
+    """The name of the part a changed file belongs to."""
+    return next((name for name, folders in PARTS[1:] if path.startswith(folders)), PARTS[0][0])
 
 
 @dataclass(frozen=True)
@@ -49,6 +64,15 @@ class Change:
     def edits(self) -> tuple[str, ...]:
         """The files it touches, tests included."""
         return tuple(self.files)
+
+    @property
+    def parts(self) -> dict[str, Change]:
+        """Its parts that have files, by name, in the order they apply."""
+        found = {
+            name: Change(self.version, {p: s for p, s in self.files.items() if part_of(p) == name})
+            for name, _ in PARTS
+        }
+        return {name: part for name, part in found.items() if part.files}
 
     @property
     def tests(self) -> dict[str, list[str]]:
@@ -231,16 +255,35 @@ def patched(path: str, text: str, change: Change) -> str:
     return "".join(lines)
 
 
-def plan(root: Path) -> dict[str, tuple[str, str]]:
+def carries(root: Path, change: Change) -> bool:
+    """Whether `root` holds every statement `change` edits as it leaves it."""
+    for path, statements in change.files.items():
+        if NEW_FILE in statements:
+            try:
+                found = {NEW_FILE: [digest(read(root, path))]}
+            except PatchRefused:
+                return False
+        else:
+            found = statement_digests(root, path, statements) or {}
+        if any(found.get(name) != [changed] for name, (_, changed, _) in statements.items()):
+            return False
+    return True
+
+
+def plan(root: Path, first_only: bool = False) -> dict[str, tuple[str, str]]:
     """Each file the change touches under `root`: (its text, "" for a file it adds; the
-    patched text)."""
+    patched text). The parts the tree carries whole, before the first it lacks, are left as
+    they are; with `first_only`, the parts after the first are left out."""
     if not (root / "vllm").is_dir():
         raise PatchRefused(str(root), "vllm/", "no vLLM source tree here (give its root)")
-    change = release(root)
+    parts = list(release(root).parts.values())[: 1 if first_only else None]
+    while parts[1:] and carries(root, parts[0]):
+        parts.pop(0)
     changes = {}
-    for path, statements in change.files.items():
-        text = read(root, path, new=NEW_FILE in statements)
-        changes[path] = (text, patched(path, text, change))
+    for part in parts:
+        for path, statements in part.files.items():
+            text = read(root, path, new=NEW_FILE in statements)
+            changes[path] = (text, patched(path, text, part))
     return changes
 
 
