@@ -182,7 +182,7 @@ def test_hy_v4_without_dbo_allocates_nothing(fake_gpu, monkeypatch):
 
     model = build_hyv4_model(monkeypatch, fake_gpu, enable_dbo=False)
     groups = [layer.self_attn.mla_attn.impl.index_group for layer in model.layers]
-    assert all(g.ubatch_logical_topk is None for g in groups)
+    assert all(not g.ubatch_logical_topk.followed for g in groups)
     assert all(
         layer.self_attn.indexer.indexer_op.index_group is None
         for layer in model.layers

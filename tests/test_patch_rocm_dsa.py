@@ -273,7 +273,7 @@ def test_rocm_dsa_without_dbo_allocates_nothing(fake_gpu, monkeypatch):
 
     model = build_rocm_dsa_model(monkeypatch, fake_gpu, enable_dbo=False)
     attns = [layer.self_attn for layer in model.layers]
-    assert all(a.impl.index_group.ubatch_logical_topk is None for a in attns)
+    assert all(not a.impl.index_group.ubatch_logical_topk.followed for a in attns)
     assert all(a.indexer_op.index_group is None for a in attns if a.indexer_op is not None)
     check_wired(model)
     assert describe(model) is None
