@@ -647,9 +647,16 @@ except KeyError:
     ),
     "Mistral Large 4's index_sharing not matched by the guard": edit(
         "guard:sharing_keys",
-        '"shared" in (getattr(text_config, "index_sharing", None) or ())',
+        'getattr(text_config, "index_sharing", None) is not None and '
+        "index_sharing_shares(text_config)",
         "False",
         f"{GUARD}::test_guard_refuses_mistral_index_sharing",
+    ),
+    "the guard's own index_sharing rule takes only 'shared' for a follower": edit(
+        "guard:index_sharing_shares",
+        'any(kind != "full" for kind in text_config.index_sharing)',
+        '"shared" in text_config.index_sharing',
+        f"{GUARD}::test_guard_refuses_every_index_sharing_value_but_full[own-full,FULL,full,full]",
     ),
     "a reloaded plugin puts a second finder on sys.meta_path": edit(
         "patches._on_import",
@@ -767,6 +774,13 @@ if patches.matters(mistral_attention.PATCH):
             "return []",
             "tests/test_upstream_tree_load.py::"
             "test_a_tree_with_mistral_large_4_in_part_refuses_it_under_dbo[model]",
+        ),
+        "the guard takes only 'shared' for a follower where vLLM's layer specs say more": edit(
+            "guard:index_sharing_shares",
+            "any(spec.use_sparse and not spec.has_indexer for spec in specs(text_config))",
+            '"shared" in text_config.index_sharing',
+            f"{GUARD}::test_guard_refuses_every_index_sharing_value_but_full"
+            "[vllm-full,Shared,Shared,full]",
         ),
         "Mistral on ROCm, its leaders unwired, loaded under DBO": edit(
             "diagnostics.refusals:shares_topk_across_ubatches",

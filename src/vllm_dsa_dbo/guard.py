@@ -19,9 +19,15 @@ SHARING_KEYS = (
     "indexer_types with 'shared'",
     "index_source_layer_ids",
     "candidate_source_layer_id",
-    "index_sharing with 'shared'",
+    "index_sharing with a layer other than 'full'",
     "use_index_cache with index_topk_freq > 1",
 )
+# vLLM's own follower rules, by the first place ("module:function") a vLLM has each.
+SKIP_TOPK_LAYERS = (
+    "vllm.model_executor.models.utils:compute_skip_topk_layers",
+    "vllm.models.hy_v4.nvidia.attention:compute_skip_topk_layers",
+)
+MISTRAL_LAYER_SPECS = ("vllm.models.mistral.common.layer_spec:get_layer_specs",)
 _GUARDED = "_vllm_dsa_dbo_guard"
 REMEDY = (
     "Drop --enable-dbo (and --ubatch-size) for this model, or, to run it under DBO, "
@@ -38,9 +44,44 @@ HISPARSE_REFUSAL = (
 )
 
 
+def vllm_rule(places: tuple[str, ...]) -> Callable[[Any], Any] | None:
+    """vLLM's own function at the first of `places` this vLLM has; None where it has none."""
+    for place in places:
+        module, _, name = place.partition(":")
+        try:
+            return getattr(importlib.import_module(module), name)
+        except Exception:  # this vLLM lacks it, or cannot import it here
+            continue
+    return None
+
+
+def indexer_types_share(text_config: Any) -> bool:
+    """Whether `indexer_types` makes a layer a follower, by vLLM's compute_skip_topk_layers."""
+    skipped = vllm_rule(SKIP_TOPK_LAYERS)
+    if skipped is None:
+        return any(kind != "full" for kind in text_config.indexer_types)
+    try:
+        return bool(skipped(text_config))
+    except Exception:  # vLLM cannot read it: refused rather than guessed
+        return True
+
+
+def index_sharing_shares(text_config: Any) -> bool:
+    """Whether Mistral Large 4's `index_sharing` makes a layer a follower, by vLLM's layer
+    specs: every value but exactly "full" is one."""
+    specs = vllm_rule(MISTRAL_LAYER_SPECS)
+    if specs is None:
+        return any(kind != "full" for kind in text_config.index_sharing)
+    try:
+        return any(spec.use_sparse and not spec.has_indexer for spec in specs(text_config))
+    except Exception:  # vLLM cannot read it: refused rather than guessed
+        return True
+
+
 def sharing_keys(text_config: Any) -> list[str]:
     """The SHARING_KEYS a DSA model's text config sets; [] when no layer reuses top-k."""
-    # MiniMax-M3's rule (_should_skip_index_topk); its config has no index_topk.
+    # MiniMax-M3's rule (_should_skip_index_topk, in a module only ROCm imports); its config
+    # has no index_topk.
     if getattr(text_config, "use_index_cache", False) and (
         int(getattr(text_config, "index_topk_freq", 1) or 1) > 1
     ):
@@ -49,13 +90,17 @@ def sharing_keys(text_config: Any) -> list[str]:
         return []
     freq = getattr(text_config, "index_topk_freq", None)
     source = getattr(text_config, "candidate_source_layer_id", None)
+    # deepseek_v2's rule is inline (no function to call), and it ignores indexer_types: any
+    # frequency or pattern that could skip a layer counts.
     found = [
         freq is not None and freq != 1,
         "S" in (getattr(text_config, "index_topk_pattern", None) or ""),
-        "shared" in (getattr(text_config, "indexer_types", None) or ()),
+        getattr(text_config, "indexer_types", None) is not None
+        and indexer_types_share(text_config),
         bool(getattr(text_config, "index_source_layer_ids", None)),
         source is not None and source != -1,
-        "shared" in (getattr(text_config, "index_sharing", None) or ()),
+        getattr(text_config, "index_sharing", None) is not None
+        and index_sharing_shares(text_config),
     ]
     return [key for key, hit in zip(SHARING_KEYS, found) if hit]
 
