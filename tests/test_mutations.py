@@ -724,6 +724,18 @@ except KeyError:
         "pass",
         "tests/test_cli.py::test_status_check_names_another_plugins_wrapper_over_a_patch",
     ),
+    "the load probe skips one-layer index groups (HYV4's, ROCm DSA's)": edit(
+        "diagnostics.refusals:unresolved",
+        "filter(hands_topk, groups)",
+        "(g for g in groups if g.num_layers > 1)",
+        "tests/test_patch_hy_v4.py::test_hy_v4_getter_replaced_after_register_is_refused_naming_it",
+    ),
+    "a refusal for a replaced getter names no getter": edit(
+        "diagnostics.refusals:check_wired",
+        '"; ".join(overridden())',
+        '""',
+        "tests/test_patch_hy_v4.py::test_hy_v4_getter_replaced_after_register_is_refused_naming_it",
+    ),
     "a wrapper over the load-time check goes unnamed": edit(
         "patches:overridden",
         "any(current is value for value in ours)",

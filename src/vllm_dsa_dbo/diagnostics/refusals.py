@@ -10,6 +10,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from vllm_dsa_dbo.patches import overridden
 from vllm_dsa_dbo.patches._shared import class_syntax
 from vllm_dsa_dbo.ubatch_buffers import stored_buffer, ubatch_copies
 
@@ -200,26 +201,39 @@ def reads_own_buffer(cls: type) -> bool:
 def resolved_topk(model: Any, group: Any) -> dict[str, int | None]:
     """Where the calling microbatch's forward finds `group`'s top-k: each layer's impl getter
     (the leader's writers and the followers' readers), a module's own buffer where its code
-    reads it (the leader's writers), and the converted state."""
+    reads it and a writer the fix gave the group (the leader's writers), and, for a group
+    with followers, the converted state (a one-layer group converts within its layer)."""
     found: dict[str, int | None] = {}
     for name, module in model.named_modules():
+        if getattr(module, "index_group", None) is group:
+            found[name] = _address(module.topk_indices_buffer)
         impl = getattr(module, "impl", None)
         if getattr(impl, "index_group", None) is not group:
             continue
         found[f"{name}.impl"] = _address(impl.topk_indices_buffer)
         if reads_own_buffer(type(module)):
             found[name] = _address(module.topk_indices_buffer)
-    state = getattr(group, "_topk_state", lambda: group)()
-    found["physical"] = _address(state.physical_topk_indices)
+    if group.num_layers > 1:
+        state = getattr(group, "_topk_state", lambda: group)()
+        found["physical"] = _address(state.physical_topk_indices)
     return found
 
 
+def hands_topk(group: Any) -> bool:
+    """Whether another layer reads the top-k `group`'s layers write or read: a group with
+    followers, a follower's own, or a leader's own that hands it to such (HYV4, ROCm DSA)."""
+    return reads_another_layers_topk(group) or (
+        keeps_logical_per_ubatch(group) and getattr(group, "leader_writes_follow_impl", False)
+    )
+
+
 def unresolved(model: Any) -> str | None:
-    """None when, through the getters the forward uses, each index group with followers
-    resolves microbatch 1 to one state of its own, else what does not."""
-    for group in index_groups(model):
-        if group.num_layers < 2:
-            continue
+    """None when, through the getters the forward uses, each index group that hands top-k to
+    another layer resolves microbatch 1 to one state of its own, else what does not."""
+    groups = index_groups(model)
+    if not any(reads_another_layers_topk(g) for g in groups):
+        return None
+    for group in filter(hands_topk, groups):
         read = functools.partial(resolved_topk, model, group)
         zero, one = as_ubatch(0, read), as_ubatch(1, read)
         logical = {k: v for k, v in one.items() if k != "physical"}
@@ -331,7 +345,11 @@ def check_wired(model: Any, num_ubatches: int = 1) -> None:
             "Drop --enable-dbo (and --ubatch-size) for this model."
         )
     if num_ubatches > 1 and (differs := unresolved(model)) is not None:
-        cause = lacked_change() or "something replaced a getter the fix installed (another plugin?)"
+        cause = (
+            lacked_change()
+            or "; ".join(overridden())
+            or "something replaced a getter the fix installed (another plugin?)"
+        )
         raise ValueError(
             f"vllm-dsa-dbo: {type(model).__name__} shares top-k between layers, but a "
             f"microbatch-1 thread at load finds that {differs}: {cause}; with dual batch "
