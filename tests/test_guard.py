@@ -10,6 +10,7 @@ on disk, as `vllm serve` does.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -435,3 +436,23 @@ def test_guards_freq_and_pattern_rule_covers_vllms(pattern, freq, offset):
         index_skip_topk_offset=offset,
     )
     assert bool(skipped(config)) <= bool(guard.sharing_keys(config))
+
+
+def test_refusals_write_their_remedy_once():
+    """Every DBO refusal is built by guard.refusal, so the remedy is written in one place
+    (the upstream change holds vLLM's source text, no refusal)."""
+    package = Path(guard.__file__).parent
+    sources = [p for p in package.rglob("*.py") if "upstream" not in p.relative_to(package).parts]
+    assert sum(p.read_text().count("Drop --enable-dbo") for p in sources) == 1
+    with pytest.raises(ValueError) as refused:
+        guard.refuse_hisparse(
+            SimpleNamespace(
+                attention_config=SimpleNamespace(hisparse_config=object()),
+                parallel_config=SimpleNamespace(enable_dbo=True),
+            )
+        )
+    assert str(refused.value).startswith("vllm-dsa-dbo: HiSparse cannot run with dual batch")
+    assert str(refused.value).endswith(
+        "Drop --enable-dbo (and --ubatch-size), or turn HiSparse off "
+        "(attention_config.hisparse_config)."
+    )
