@@ -485,7 +485,7 @@ except KeyError:
         "diagnostics.load_check:checked_build.checked",
         "refuse_hisparse(vllm_config)",
         "pass",
-        "tests/test_plugin.py::test_hisparse_under_dbo_is_refused_at_load_whatever_the_layout",
+        "tests/test_plugin.py::test_hisparse_under_dbo_is_refused_at_load_with_or_without_followers",
     ),
     "thread registry not checked": edit(
         "patches.index_group:check",
