@@ -10,6 +10,7 @@ on disk, as `vllm serve` does.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -319,7 +320,11 @@ def test_failed_registration_never_raises_and_falls_back_to_the_guard(tmp_path):
         ({"index_topk": 64, "index_topk_freq": 1}, []),
         ({"index_topk": 64, "index_topk_pattern": "FFSS"}, ["an index_topk_pattern with 'S'"]),
         ({"index_topk": 64, "index_topk_pattern": "FFFF"}, []),
-        ({"index_topk": 64, "indexer_types": ["full", "shared"]}, ["indexer_types with 'shared'"]),
+        (
+            {"index_topk": 64, "num_hidden_layers": 2, "indexer_types": ["full", "shared"]},
+            ["indexer_types with 'shared'"],
+        ),
+        ({"index_topk": 64, "num_hidden_layers": 2, "indexer_types": ["full", "full"]}, []),
         ({"index_topk": 64, "index_source_layer_ids": [0, 2]}, ["index_source_layer_ids"]),
         ({"index_topk": 64, "candidate_source_layer_id": 3}, ["candidate_source_layer_id"]),
         ({"index_topk": 64, "candidate_source_layer_id": -1}, []),
@@ -336,11 +341,118 @@ def test_sharing_keys(config, keys):
     assert guard.sharing_keys(SimpleNamespace(**config)) == keys
 
 
+MISTRAL_SHARING_KEY = "index_sharing with a layer other than 'full'"
+
+
 def test_guard_refuses_mistral_index_sharing():
     """Mistral Large 4 (vLLM 0.34.0): vLLM's config adapter writes `dsa.sharing` as a per-layer
     `index_sharing` list of "full" / "shared" (tests/test_patch_mistral.py builds it through
     the adapter); a "shared" layer reuses the top-k of the "full" one before it."""
-    shared = SimpleNamespace(index_topk=64, index_sharing=["full", "full", "shared", "shared"])
-    assert guard.sharing_keys(shared) == ["index_sharing with 'shared'"]
-    assert guard.sharing_keys(SimpleNamespace(index_topk=64, index_sharing=["full"] * 4)) == []
-    refused_under_dbo_only("MistralLarge4ForCausalLM", shared, "index_sharing with 'shared'")
+    shared = SimpleNamespace(
+        index_topk=64, num_hidden_layers=4, index_sharing=["full", "full", "shared", "shared"]
+    )
+    assert guard.sharing_keys(shared) == [MISTRAL_SHARING_KEY]
+    own = SimpleNamespace(index_topk=64, num_hidden_layers=4, index_sharing=["full"] * 4)
+    assert guard.sharing_keys(own) == []
+    refused_under_dbo_only("MistralLarge4ForCausalLM", shared, MISTRAL_SHARING_KEY)
+
+
+ODD_INDEX_SHARING = [
+    ["full", "FULL", "full", "full"],
+    ["full", "Shared", "Shared", "full"],
+    ["full", "full ", "full", "full"],
+    ["full", None, "full", "full"],
+]
+
+
+def layers(kinds: list) -> str:
+    return ",".join(map(str, kinds))
+
+
+@pytest.mark.parametrize("index_sharing", ODD_INDEX_SHARING, ids=layers)
+@pytest.mark.parametrize("rule", ["vllm", "own"])
+def test_guard_refuses_every_index_sharing_value_but_full(monkeypatch, rule, index_sharing):
+    """An HF config.json is not validated as a params.json is, and vLLM's layer specs make
+    every value other than exactly "full" a follower: the guard (the fix off, other versions)
+    refuses each under DBO, by vLLM's rule where this vLLM has it and by its own elsewhere."""
+    if rule == "own":
+        monkeypatch.setattr(guard, "MISTRAL_LAYER_SPECS", ())
+    elif guard.vllm_rule(guard.MISTRAL_LAYER_SPECS) is None:
+        pytest.skip("this vLLM has no Mistral Large 4 layer specs")
+    config = SimpleNamespace(index_topk=64, num_hidden_layers=4, index_sharing=index_sharing)
+    refused_under_dbo_only("MistralLarge4ForCausalLM", config, MISTRAL_SHARING_KEY)
+
+
+def own_and_vllms(monkeypatch, rule: str, text_config: object) -> tuple[list[str], list[str]]:
+    """sharing_keys by the guard's own rule (vLLM's function hidden), then by vLLM's."""
+    if guard.vllm_rule(getattr(guard, rule)) is None:
+        pytest.skip(f"this vLLM has none of {getattr(guard, rule)}")
+    vllms = guard.sharing_keys(text_config)
+    monkeypatch.setattr(guard, rule, ())
+    return guard.sharing_keys(text_config), vllms
+
+
+@pytest.mark.parametrize(
+    "index_sharing",
+    [["full"] * 4, ["full", "full", "shared", "shared"], ["full", "shared", "full", "full"]]
+    + ODD_INDEX_SHARING,
+    ids=layers,
+)
+def test_guards_own_index_sharing_rule_is_vllms(monkeypatch, index_sharing):
+    """Where a vLLM lacks Mistral's layer specs the guard's own rule stands in; it is vLLM's."""
+    config = SimpleNamespace(index_topk=64, num_hidden_layers=4, index_sharing=index_sharing)
+    own, vllms = own_and_vllms(monkeypatch, "MISTRAL_LAYER_SPECS", config)
+    assert own == vllms == ([] if index_sharing == ["full"] * 4 else [MISTRAL_SHARING_KEY])
+
+
+@pytest.mark.parametrize(
+    "indexer_types",
+    [["full"] * 4, ["full", "shared", "full", "shared"], ["full", "FULL", "full", "full"]],
+    ids=layers,
+)
+def test_guards_own_indexer_types_rule_refuses_what_vllms_does(monkeypatch, indexer_types):
+    """Where a vLLM lacks compute_skip_topk_layers the guard's own rule stands in: "shared"
+    layers follow, and a value vLLM rejects is refused rather than guessed."""
+    config = SimpleNamespace(index_topk=64, num_hidden_layers=4, indexer_types=indexer_types)
+    own, vllms = own_and_vllms(monkeypatch, "SKIP_TOPK_LAYERS", config)
+    expected = [] if indexer_types == ["full"] * 4 else ["indexer_types with 'shared'"]
+    assert own == vllms == expected
+
+
+@pytest.mark.parametrize(
+    "pattern, freq, offset",
+    [(None, 1, 2), (None, 2, 2), (None, 4, 0), ("FFSS", 1, 2), ("FFFF", 1, 2), ("FSFS", 3, 2)],
+)
+def test_guards_freq_and_pattern_rule_covers_vllms(pattern, freq, offset):
+    """deepseek_v2 reads index_topk_freq / index_topk_pattern inline, as vLLM's
+    compute_skip_topk_layers does without indexer_types: wherever that finds a follower,
+    the guard refuses."""
+    skipped = guard.vllm_rule(guard.SKIP_TOPK_LAYERS)
+    config = SimpleNamespace(
+        index_topk=64,
+        num_hidden_layers=8,
+        index_topk_freq=freq,
+        index_topk_pattern=pattern,
+        index_skip_topk_offset=offset,
+    )
+    assert bool(skipped(config)) <= bool(guard.sharing_keys(config))
+
+
+def test_refusals_write_their_remedy_once():
+    """Every DBO refusal is built by guard.refusal, so the remedy is written in one place
+    (the upstream change holds vLLM's source text, no refusal)."""
+    package = Path(guard.__file__).parent
+    sources = [p for p in package.rglob("*.py") if "upstream" not in p.relative_to(package).parts]
+    assert sum(p.read_text().count("Drop --enable-dbo") for p in sources) == 1
+    with pytest.raises(ValueError) as refused:
+        guard.refuse_hisparse(
+            SimpleNamespace(
+                attention_config=SimpleNamespace(hisparse_config=object()),
+                parallel_config=SimpleNamespace(enable_dbo=True),
+            )
+        )
+    assert str(refused.value).startswith("vllm-dsa-dbo: HiSparse cannot run with dual batch")
+    assert str(refused.value).endswith(
+        "Drop --enable-dbo (and --ubatch-size), or turn HiSparse off "
+        "(attention_config.hisparse_config)."
+    )

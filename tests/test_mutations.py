@@ -643,9 +643,16 @@ except KeyError:
     ),
     "Mistral Large 4's index_sharing not matched by the guard": edit(
         "guard:sharing_keys",
-        '"shared" in (getattr(text_config, "index_sharing", None) or ())',
+        'getattr(text_config, "index_sharing", None) is not None and '
+        "index_sharing_shares(text_config)",
         "False",
         f"{GUARD}::test_guard_refuses_mistral_index_sharing",
+    ),
+    "the guard's own index_sharing rule takes only 'shared' for a follower": edit(
+        "guard:index_sharing_shares",
+        'any(kind != "full" for kind in text_config.index_sharing)',
+        '"shared" in text_config.index_sharing',
+        f"{GUARD}::test_guard_refuses_every_index_sharing_value_but_full[own-full,FULL,full,full]",
     ),
     "a reloaded plugin puts a second finder on sys.meta_path": edit(
         "patches._on_import",
@@ -713,6 +720,18 @@ except KeyError:
         "pass",
         "tests/test_cli.py::test_status_check_names_another_plugins_wrapper_over_a_patch",
     ),
+    "the load probe skips one-layer index groups (HYV4's, ROCm DSA's)": edit(
+        "diagnostics.refusals:unresolved",
+        "filter(hands_topk, groups)",
+        "(g for g in groups if g.num_layers > 1)",
+        "tests/test_patch_hy_v4.py::test_hy_v4_getter_replaced_after_register_is_refused_naming_it",
+    ),
+    "a refusal for a replaced getter names no getter": edit(
+        "diagnostics.refusals:check_wired",
+        '"; ".join(overridden())',
+        '""',
+        "tests/test_patch_hy_v4.py::test_hy_v4_getter_replaced_after_register_is_refused_naming_it",
+    ),
     "a wrapper over the load-time check goes unnamed": edit(
         "patches:overridden",
         "any(current is value for value in ours)",
@@ -763,6 +782,13 @@ if patches.matters(mistral_attention.PATCH):
             "return []",
             "tests/test_upstream_tree_load.py::"
             "test_a_tree_with_mistral_large_4_in_part_refuses_it_under_dbo[model]",
+        ),
+        "the guard takes only 'shared' for a follower where vLLM's layer specs say more": edit(
+            "guard:index_sharing_shares",
+            "any(spec.use_sparse and not spec.has_indexer for spec in specs(text_config))",
+            '"shared" in text_config.index_sharing',
+            f"{GUARD}::test_guard_refuses_every_index_sharing_value_but_full"
+            "[vllm-full,Shared,Shared,full]",
         ),
         "Mistral on ROCm, its leaders unwired, loaded under DBO": edit(
             "diagnostics.refusals:shares_topk_across_ubatches",

@@ -202,3 +202,37 @@ def test_hy_v4_unwired_followers_are_refused(fake_gpu, monkeypatch):
     model = build_hyv4_model(monkeypatch, fake_gpu, enable_dbo=True)
     with pytest.raises(ValueError, match="Drop --enable-dbo"):
         check_wired(model, 2)
+
+
+def vllms_getter(self):
+    """vLLM's SharedTopkIndicesBuffer.topk_indices_buffer, as a second plugin may put it back."""
+    if self._indexer is not None:
+        return self._indexer.topk_indices_buffer
+    return self._topk_indices_buffer
+
+
+def test_hy_v4_getter_replaced_after_register_is_refused_naming_it(fake_gpu, monkeypatch):
+    """A second plugin puts vLLM's getter back over the fix's after register(): HYV4's layers,
+    each in a one-layer group, read microbatch 0's top-k in microbatch 1, and the load check
+    refuses the model, naming the getter."""
+    from vllm.model_executor.layers.attention.sparse_mla_attention import (
+        SharedTopkIndicesBuffer,
+    )
+
+    from vllm_dsa_dbo.diagnostics.refusals import check_wired
+
+    model = build_hyv4_model(monkeypatch, fake_gpu, enable_dbo=True)
+    ours = SharedTopkIndicesBuffer.topk_indices_buffer
+    monkeypatch.setattr(
+        SharedTopkIndicesBuffer, "topk_indices_buffer", property(vllms_getter, ours.fset)
+    )
+    reads = HYV4Stack(model, monkeypatch).run_step()
+    assert [(r.layer, r.ubatch) for r in reads if not r.ok] == [(0, 1), (1, 1), (2, 1)]
+    getter = (
+        "vllm.model_executor.layers.attention.sparse_mla_attention.SharedTopkIndicesBuffer"
+        ".topk_indices_buffer"
+    )
+    with pytest.raises(ValueError, match="Drop --enable-dbo") as refused:
+        check_wired(model, 2)
+    assert f"other code replaces {getter} (by vllms_getter at {__file__}:" in str(refused.value)
+    assert "but a microbatch-1 thread at load finds that in microbatch 1" in str(refused.value)

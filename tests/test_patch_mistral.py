@@ -146,9 +146,11 @@ def build_model(
     platform: str = "nvidia",
     backend: str = "FLASHMLA_SPARSE",
     loaded: bool = False,
+    index_sharing: list[str] | None = None,
 ) -> nn.Module:
     """MistralLarge4Model of `platform` as its __init__ builds it, on `backend`'s impl; with
-    `loaded`, through the loader's initialize_model, as a worker builds it."""
+    `loaded`, through the loader's initialize_model, as a worker builds it; `index_sharing`
+    as an HF config.json may write it, unvalidated."""
     from vllm.config import CompilationMode
     from vllm.model_executor.layers.attention import mla_attention
     from vllm.model_executor.model_loader import base_loader
@@ -160,6 +162,8 @@ def build_model(
     attention = importlib.import_module(f"vllm.models.mistral.{platform}.attention")
     indexer = importlib.import_module(f"vllm.models.mistral.{platform}.indexer")
     hf = hf_config()
+    if index_sharing is not None:
+        hf.index_sharing = index_sharing
     monkeypatch.setattr(vllm_env.parallel_config, "enable_dbo", enable_dbo)
     monkeypatch.setattr(vllm_env.compilation_config, "static_forward_context", {})
     monkeypatch.setattr(vllm_env.compilation_config, "mode", CompilationMode.NONE)
@@ -193,16 +197,16 @@ class MistralStack(SharedTopkStack):
     """One DBO step through MistralMLAAttention.forward: a leader's MistralIndexer writes
     the top-k and its impl records it ready, then every layer's attention reads it."""
 
-    def __init__(self, model: nn.Module, monkeypatch) -> None:
+    def __init__(self, model: nn.Module, monkeypatch, leaders: list[bool] = LEADERS) -> None:
         from vllm.models.mistral.nvidia import attention, indexer
 
         self.model = model
-        self.leaders = LEADERS
+        self.leaders = leaders
         self.device = "cpu"
         self.buffer = model.layers[0].self_attn.attn.impl._topk_indices_buffer
         self.attns = [layer.self_attn for layer in model.layers]
         self.impls = [attn.attn.impl for attn in self.attns]
-        self.inputs, self.metadata = step_inputs(LEADERS)
+        self.inputs, self.metadata = step_inputs(leaders)
         self.op_buffers: list[torch.Tensor] = []
         self.cleared: list[torch.Tensor] = []
         for attn in self.attns:
@@ -330,6 +334,35 @@ def test_mistral_leader_with_an_unwired_writer_is_refused(fake_gpu, monkeypatch)
         build_model(monkeypatch, fake_gpu, enable_dbo=True, loaded=True)
 
 
+@pytest.mark.parametrize(
+    "index_sharing",
+    [["full", "FULL", "full", "full"], ["full", "Shared", "Shared", "full"]],
+    ids=["FULL", "Shared"],
+)
+def test_mistral_odd_index_sharing_is_fixed_and_refused_with_the_fix_off(
+    fake_gpu, monkeypatch, index_sharing
+):
+    """vLLM's layer specs make every value other than exactly "full" a follower, and an HF
+    config.json is not validated: the fix keeps those followers' top-k per microbatch, and the
+    guard, which is all that runs with the fix off, refuses them under DBO."""
+    from vllm_dsa_dbo import guard
+    from vllm_dsa_dbo.diagnostics.refusals import check_wired
+
+    model = build_model(monkeypatch, fake_gpu, enable_dbo=True, index_sharing=index_sharing)
+    leaders = [s.has_indexer for s in model.layer_specs]
+    assert leaders == [kind == "full" for kind in index_sharing]
+    reads = MistralStack(model, monkeypatch, leaders).run_step()
+    assert [(r.layer, r.ubatch) for r in reads if not r.ok] == []
+    check_wired(model, 2)
+    hf = model.config
+    config = SimpleNamespace(
+        model_config=SimpleNamespace(architecture=hf.architectures[0], hf_config=hf),
+        parallel_config=SimpleNamespace(enable_dbo=True),
+    )
+    with pytest.raises(ValueError, match="index_sharing with a layer other than 'full'"):
+        guard.refuse_unfixed(config, "why.")
+
+
 UNFIXED = {
     # vLLM's ROCm model: its own MistralMLAAttention and MistralIndexer, which nothing wires.
     "rocm": ("amd", "ROCM_AITER_MLA_SPARSE", "Mistral Large 4 on CUDA, vllm/models/mistral/nvidia"),
@@ -370,7 +403,9 @@ def test_guard_refuses_mistral_index_sharing_under_dbo(sharing, index_sharing):
         model_config=model_config, parallel_config=SimpleNamespace(enable_dbo=True)
     )
     if "shared" in index_sharing:
-        with pytest.raises(ValueError, match="index_sharing with 'shared'.*Drop --enable-dbo"):
+        with pytest.raises(
+            ValueError, match="index_sharing with a layer other than .full.*Drop --enable-dbo"
+        ):
             guard.refuse_unfixed(config, "why.")
     else:
         guard.refuse_unfixed(config, "why.")

@@ -4,6 +4,7 @@ of its target that `apply` sets."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from test_plugin import run_python
 from vllm_dsa_dbo.diagnostics import isolation, load_check
@@ -57,3 +58,12 @@ def test_every_patch_lists_what_it_sets():
     assert line is not None, result.stdout[-2000:] + result.stderr[-3000:]
     changed = json.loads(line.removeprefix("CHANGED "))
     assert changed == {name: sorted(patch.replaces) for name, patch in records.items()}
+
+
+def test_patch_catalogue_is_current():
+    """docs/PATCHES.md is what the records write; where it fails, regenerate it:
+    `python -m vllm_dsa_dbo.patches._catalogue > docs/PATCHES.md`."""
+    from vllm_dsa_dbo.patches._catalogue import catalogue
+
+    committed = Path(__file__).resolve().parents[1] / "docs" / "PATCHES.md"
+    assert committed.read_text() == catalogue()

@@ -52,7 +52,7 @@ def test_mistral_large4_model_is_read_as_vllm_reads_mistral_params(tmp_path):
     specs = get_layer_specs(config)
     assert [s.layer_idx for s in specs if s.has_indexer] == LEADERS
     assert [s.layer_idx for s in specs if s.is_moe] == list(range(1, 8))
-    assert guard.sharing_keys(config) == ["index_sharing with 'shared'"]
+    assert guard.sharing_keys(config) == ["index_sharing with a layer other than 'full'"]
     laid_out = layout.layout(*layout.check_config(config.to_dict()))
     assert (laid_out.leaders, laid_out.followers) == (LEADERS, [3, 4, 5, 7])
     assert laid_out.groups_with_followers == 2

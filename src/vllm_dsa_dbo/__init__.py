@@ -23,7 +23,9 @@ def register() -> None:
         from vllm_dsa_dbo import guard
 
         logger.exception("vllm-dsa-dbo: registration failed (%s)", e)
-        guard.cover(logger, "vllm-dsa-dbo failed to register on this vLLM (see its error).")
+        guard.install_and_log(
+            logger, "vllm-dsa-dbo failed to register on this vLLM (see its error)."
+        )
 
 
 def _register(logger: logging.Logger) -> None:
@@ -52,10 +54,12 @@ def _register(logger: logging.Logger) -> None:
             DISABLE_ENV,
             STOCK,
         )
-    if guard.stays_out(logger, refuse=mode != STOCK):
+    if (unsupported := guard.unsupported_version()) is not None:
+        if mode != STOCK:
+            guard.install_and_log(logger, unsupported)
         return
     if mode == REFUSE:
-        guard.cover(
+        guard.install_and_log(
             logger,
             f"vllm-dsa-dbo is turned off by {DISABLE_ENV}, which keeps its refusals "
             f"({DISABLE_ENV}={STOCK} runs stock vLLM, corrupted, for A/B runs).",
@@ -63,6 +67,8 @@ def _register(logger: logging.Logger) -> None:
     elif mode is None:
         in_force = patches.apply_all([*patches.fix_patches(), *load_check.PATCHES])
         if not {p.name for p in load_check.PATCHES} <= in_force:
-            guard.cover(logger, "vllm-dsa-dbo could not install its load-time check here.")
+            guard.install_and_log(
+                logger, "vllm-dsa-dbo could not install its load-time check here."
+            )
     if check is not None:
         isolation.install(check)

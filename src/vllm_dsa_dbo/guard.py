@@ -19,28 +19,74 @@ SHARING_KEYS = (
     "indexer_types with 'shared'",
     "index_source_layer_ids",
     "candidate_source_layer_id",
-    "index_sharing with 'shared'",
+    "index_sharing with a layer other than 'full'",
     "use_index_cache with index_topk_freq > 1",
 )
+# vLLM's own follower rules, by the first place ("module:function") a vLLM has each.
+SKIP_TOPK_LAYERS = (
+    "vllm.model_executor.models.utils:compute_skip_topk_layers",
+    "vllm.models.hy_v4.nvidia.attention:compute_skip_topk_layers",
+)
+MISTRAL_LAYER_SPECS = ("vllm.models.mistral.common.layer_spec:get_layer_specs",)
 _GUARDED = "_vllm_dsa_dbo_guard"
-REMEDY = (
-    "Drop --enable-dbo (and --ubatch-size) for this model, or, to run it under DBO, "
-    f"use vLLM {' or '.join(RELEASES)} with vllm-dsa-dbo enabled, which fixes or refuses "
-    "each path (vllm PR #60734 alone fixes only the CUDA deepseek_v32 path)."
+DROP_DBO = "Drop --enable-dbo (and --ubatch-size)"
+RUN_UNDER_DBO = (
+    f" for this model, or, to run it under DBO, use vLLM {' or '.join(RELEASES)} with "
+    "vllm-dsa-dbo enabled, which fixes or refuses each path (vllm PR #60734 alone fixes only "
+    "the CUDA deepseek_v32 path)"
 )
-HISPARSE_REFUSAL = (
-    "vllm-dsa-dbo: HiSparse cannot run with dual batch overlap, whatever the model's "
-    "index_topk_freq: its KV write takes the whole batch's slot mapping from row 0 "
-    "(HiSparseCacheHandle.write_target), so microbatch 1 writes its KV into microbatch "
-    "0's slots, and its request state and block tables are bound for the whole batch. "
-    "Drop --enable-dbo (and --ubatch-size), or turn HiSparse off "
-    "(attention_config.hisparse_config)."
+HISPARSE = (
+    "HiSparse cannot run with dual batch overlap, whatever the model's index_topk_freq: its "
+    "KV write takes the whole batch's slot mapping from row 0 "
+    "(HiSparseCacheHandle.write_target), so microbatch 1 writes its KV into microbatch 0's "
+    "slots, and its request state and block tables are bound for the whole batch."
 )
+NO_HISPARSE = ", or turn HiSparse off (attention_config.hisparse_config)"
+
+
+def refusal(problem: str, remedy: str = " for this model") -> ValueError:
+    """Every DBO refusal in one form: what would go wrong, then how to run without it."""
+    return ValueError(f"vllm-dsa-dbo: {problem} {DROP_DBO}{remedy}.")
+
+
+def vllm_rule(places: tuple[str, ...]) -> Callable[[Any], Any] | None:
+    """vLLM's own function at the first of `places` this vLLM has; None where it has none."""
+    for place in places:
+        module, _, name = place.partition(":")
+        try:
+            return getattr(importlib.import_module(module), name)
+        except Exception:  # this vLLM lacks it, or cannot import it here
+            continue
+    return None
+
+
+def indexer_types_share(text_config: Any) -> bool:
+    """Whether `indexer_types` makes a layer a follower, by vLLM's compute_skip_topk_layers."""
+    skipped = vllm_rule(SKIP_TOPK_LAYERS)
+    if skipped is None:
+        return any(kind != "full" for kind in text_config.indexer_types)
+    try:
+        return bool(skipped(text_config))
+    except Exception:  # vLLM cannot read it: refused rather than guessed
+        return True
+
+
+def index_sharing_shares(text_config: Any) -> bool:
+    """Whether Mistral Large 4's `index_sharing` makes a layer a follower, by vLLM's layer
+    specs: every value but exactly "full" is one."""
+    specs = vllm_rule(MISTRAL_LAYER_SPECS)
+    if specs is None:
+        return any(kind != "full" for kind in text_config.index_sharing)
+    try:
+        return any(spec.use_sparse and not spec.has_indexer for spec in specs(text_config))
+    except Exception:  # vLLM cannot read it: refused rather than guessed
+        return True
 
 
 def sharing_keys(text_config: Any) -> list[str]:
     """The SHARING_KEYS a DSA model's text config sets; [] when no layer reuses top-k."""
-    # MiniMax-M3's rule (_should_skip_index_topk); its config has no index_topk.
+    # MiniMax-M3's rule (_should_skip_index_topk, in a module only ROCm imports); its config
+    # has no index_topk.
     if getattr(text_config, "use_index_cache", False) and (
         int(getattr(text_config, "index_topk_freq", 1) or 1) > 1
     ):
@@ -49,13 +95,17 @@ def sharing_keys(text_config: Any) -> list[str]:
         return []
     freq = getattr(text_config, "index_topk_freq", None)
     source = getattr(text_config, "candidate_source_layer_id", None)
+    # deepseek_v2's rule is inline (no function to call), and it ignores indexer_types: any
+    # frequency or pattern that could skip a layer counts.
     found = [
         freq is not None and freq != 1,
         "S" in (getattr(text_config, "index_topk_pattern", None) or ""),
-        "shared" in (getattr(text_config, "indexer_types", None) or ()),
+        getattr(text_config, "indexer_types", None) is not None
+        and indexer_types_share(text_config),
         bool(getattr(text_config, "index_source_layer_ids", None)),
         source is not None and source != -1,
-        "shared" in (getattr(text_config, "index_sharing", None) or ()),
+        getattr(text_config, "index_sharing", None) is not None
+        and index_sharing_shares(text_config),
     ]
     return [key for key, hit in zip(SHARING_KEYS, found) if hit]
 
@@ -72,7 +122,7 @@ def refuse_hisparse(vllm_config: Any) -> None:
     if getattr(attention, "hisparse_config", None) is not None and uses_dbo(
         vllm_config.parallel_config
     ):
-        raise ValueError(HISPARSE_REFUSAL)
+        raise refusal(HISPARSE, NO_HISPARSE)
 
 
 def refuse_unfixed(vllm_config: Any, why: str) -> None:
@@ -84,11 +134,12 @@ def refuse_unfixed(vllm_config: Any, why: str) -> None:
     text_config = getattr(model_config, "hf_text_config", None) or model_config.hf_config
     keys = sharing_keys(text_config)
     if keys:
-        raise ValueError(
-            f"vllm-dsa-dbo: {getattr(model_config, 'architecture', 'this model')} shares "
+        raise refusal(
+            f"{getattr(model_config, 'architecture', 'this model')} shares "
             f"top-k between layers ({', '.join(keys)}), and with dual batch overlap one "
             "microbatch's leader layers overwrite the top-k the other microbatch's "
-            f"followers read: wrong answers, no error. {why} {REMEDY}"
+            f"followers read: wrong answers, no error. {why}",
+            RUN_UNDER_DBO,
         )
 
 
@@ -180,7 +231,7 @@ def install(why: str) -> str | None:
     return getattr(vllm, _GUARDED)
 
 
-def cover(logger: Any, why: str) -> None:
+def install_and_log(logger: Any, why: str) -> None:
     """Install the guard where the fix is not in force, and log where it went."""
     seam = install(why)
     if seam is None:
@@ -192,15 +243,16 @@ def cover(logger: Any, why: str) -> None:
     else:
         logger.warning(
             "%s With --enable-dbo, a DSA model with shared top-k layers (GLM-5.x) is "
-            "refused (guard at %s). %s",
+            "refused (guard at %s). %s%s.",
             why,
             seam,
-            REMEDY,
+            DROP_DBO,
+            RUN_UNDER_DBO,
         )
 
 
-def stays_out(logger: Any, refuse: bool = True) -> bool:
-    """Whether this vLLM is another version, not one to patch; with `refuse`, the guard goes in.
+def unsupported_version() -> str | None:
+    """Why the plugin patches nothing in this vLLM, another version; None for a supported one.
 
     A vLLM carrying vllm PR #60734 is no exception: the PR fixes one path of
     several, and which of the others an unknown version fixes cannot be told.
@@ -208,12 +260,7 @@ def stays_out(logger: Any, refuse: bool = True) -> bool:
     import vllm
 
     if is_supported_vllm(vllm.__version__):
-        return False
-    if not refuse:
-        return True
-    cover(
-        logger,
-        f"vllm-dsa-dbo supports vLLM {SUPPORTED_VLLM} only, found {vllm.__version__}: "
-        "NOT patching.",
+        return None
+    return (
+        f"vllm-dsa-dbo supports vLLM {SUPPORTED_VLLM} only, found {vllm.__version__}: NOT patching."
     )
-    return True

@@ -10,6 +10,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from vllm_dsa_dbo.guard import refusal
+from vllm_dsa_dbo.patches import overridden
 from vllm_dsa_dbo.patches._shared import class_syntax
 from vllm_dsa_dbo.ubatch_buffers import stored_buffer, ubatch_copies
 
@@ -202,30 +204,42 @@ def reads_own_buffer(cls: type) -> bool:
 def resolved_topk(model: Any, group: Any) -> dict[str, int | None]:
     """Where the calling microbatch's forward finds `group`'s top-k: each layer's impl getter
     (the leader's writers and the followers' readers), a module's own buffer where its code
-    reads it (the leader's writers), and the converted state."""
+    reads it and a writer the fix gave the group (the leader's writers), and, for a group
+    with followers, the converted state (a one-layer group converts within its layer)."""
     found: dict[str, int | None] = {}
     for name, module in model.named_modules():
+        if getattr(module, "index_group", None) is group:
+            found[name] = _address(module.topk_indices_buffer)
         impl = getattr(module, "impl", None)
         if getattr(impl, "index_group", None) is not group:
             continue
         found[f"{name}.impl"] = _address(impl.topk_indices_buffer)
         if reads_own_buffer(type(module)):
             found[name] = _address(module.topk_indices_buffer)
-    if hasattr(group, "ubatch_topk_rows"):  # vLLM's own: its rows at the token offset
-        found["physical"] = _address(group.ubatch_topk_rows(group.physical_topk_indices))
-    else:
-        found["physical"] = _address(
-            getattr(group, "_topk_state", lambda: group)().physical_topk_indices
-        )
+    if group.num_layers > 1:
+        if hasattr(group, "ubatch_topk_rows"):  # vLLM's own: its rows at the token offset
+            physical = group.ubatch_topk_rows(group.physical_topk_indices)
+        else:
+            physical = getattr(group, "_topk_state", lambda: group)().physical_topk_indices
+        found["physical"] = _address(physical)
     return found
 
 
+def hands_topk(group: Any) -> bool:
+    """Whether another layer reads the top-k `group`'s layers write or read: a group with
+    followers, a follower's own, or a leader's own that hands it to such (HYV4, ROCm DSA)."""
+    return reads_another_layers_topk(group) or (
+        keeps_logical_per_ubatch(group) and getattr(group, "leader_writes_follow_impl", False)
+    )
+
+
 def unresolved(model: Any) -> str | None:
-    """None when, through the getters the forward uses, each index group with followers
-    resolves microbatch 1 to one state of its own, else what does not."""
-    for group in index_groups(model):
-        if group.num_layers < 2:
-            continue
+    """None when, through the getters the forward uses, each index group that hands top-k to
+    another layer resolves microbatch 1 to one state of its own, else what does not."""
+    groups = index_groups(model)
+    if not any(reads_another_layers_topk(g) for g in groups):
+        return None
+    for group in filter(hands_topk, groups):
         read = functools.partial(resolved_topk, model, group)
         zero, one = as_ubatch(0, read), as_ubatch(1, read)
         logical = {k: v for k, v in one.items() if k != "physical"}
@@ -288,41 +302,40 @@ def check_wired(model: Any, num_ubatches: int = 1) -> None:
     """Refuse DBO for a model whose leaders write the shared top-k elsewhere."""
     shares = any(reads_another_layers_topk(g) for g in index_groups(model))
     if num_ubatches > 1 and shares and (classes := classes_of_lacked_files(model)):
-        raise ValueError(
-            f"vllm-dsa-dbo: {type(model).__name__} shares top-k between layers, and "
+        raise refusal(
+            f"{type(model).__name__} shares top-k between layers, and "
             f"{lacked_change()}, which defines {', '.join(classes)}: the plugin does not vouch "
             "that, with dual batch overlap, those layers keep their top-k per microbatch as the "
-            "rest of the change does. Drop --enable-dbo (and --ubatch-size) for this model, or "
-            "take the whole change."
+            "rest of the change does.",
+            " for this model, or take the whole change",
         )
     if num_ubatches > 1 and (
         ungrouped := [m for m in model.modules() if reads_topk_without_index_group(m)]
     ):
-        raise ValueError(
-            f"vllm-dsa-dbo: {type(model).__name__} shares top-k between layers, but its "
+        raise refusal(
+            f"{type(model).__name__} shares top-k between layers, but its "
             f"sparse MLA backend {sparse_mla_backend(ungrouped[0])} keeps no index "
             "groups: every follower layer reads the one model-wide top-k buffer in "
             "every microbatch, so with dual batch overlap it would read the other "
-            "microbatch's top-k. Drop --enable-dbo (and --ubatch-size), or on CUDA "
-            "leave --attention-backend unset or pick FLASH_ATTN_MLA_SPARSE, "
+            "microbatch's top-k.",
+            ", or on CUDA leave --attention-backend unset or pick FLASH_ATTN_MLA_SPARSE, "
             "FLASHMLA_SPARSE or FLASHINFER_MLA_SPARSE_SM90 (Hopper), "
-            "FLASHINFER_MLA_SPARSE or FLASH_ATTN_MLA_SPARSE_FA4 (Blackwell)."
+            "FLASHINFER_MLA_SPARSE or FLASH_ATTN_MLA_SPARSE_FA4 (Blackwell)",
         )
     if num_ubatches > 1 and any(hands_topk_outside_index_groups(m) for m in model.modules()):
-        raise ValueError(
-            f"vllm-dsa-dbo: {type(model).__name__} hands top-k (or candidate blocks) "
+        raise refusal(
+            f"{type(model).__name__} hands top-k (or candidate blocks) "
             "from one layer to later layers in buffers that are not index groups "
             "(DeepSeek-V4.1 index_source_layer_ids / candidate_source_layer_id on "
             "ROCm, vllm/models/deepseek_v41/amd; MiniMax-M3 use_index_cache on ROCm), "
             "which the plugin does not keep per microbatch (it does for DeepSeek-V4.1 "
             "on CUDA, vllm/models/deepseek_v41/nvidia). With dual batch overlap "
             "those layers would read the "
-            "other microbatch's selection. Drop --enable-dbo (and --ubatch-size) "
-            "for this model."
+            "other microbatch's selection."
         )
     if any(left_shared(g, num_ubatches) for g in index_groups(model)):
-        raise ValueError(
-            f"vllm-dsa-dbo: {type(model).__name__} shares top-k between layers "
+        raise refusal(
+            f"{type(model).__name__} shares top-k between layers "
             "(index_topk_freq > 1, an index_topk_pattern or a 'shared' index_sharing), "
             "but on this code path "
             "its leader layers write the top-k without going through the "
@@ -333,14 +346,17 @@ def check_wired(model: Any, num_ubatches: int = 1) -> None:
             "DSA path on CUDA). With dual batch "
             "overlap its followers would read the other microbatch's top-k "
             "(where a vllm-dsa-dbo patch was left unapplied, a warning at startup "
-            f"and `vllm-dsa-dbo status` say why). {sentence(lacked_change())}"
-            "Drop --enable-dbo (and --ubatch-size) for this model."
+            f"and `vllm-dsa-dbo status` say why). {sentence(lacked_change())}".rstrip()
         )
     if num_ubatches > 1 and (differs := unresolved(model)) is not None:
-        cause = lacked_change() or "something replaced a getter the fix installed (another plugin?)"
-        raise ValueError(
-            f"vllm-dsa-dbo: {type(model).__name__} shares top-k between layers, but a "
+        cause = (
+            lacked_change()
+            or "; ".join(overridden())
+            or "something replaced a getter the fix installed (another plugin?)"
+        )
+        raise refusal(
+            f"{type(model).__name__} shares top-k between layers, but a "
             f"microbatch-1 thread at load finds that {differs}: {cause}; with dual batch "
-            "overlap its followers would read the other microbatch's top-k. Drop --enable-dbo "
-            "(and --ubatch-size) for this model, or the plugin that replaces it."
+            "overlap its followers would read the other microbatch's top-k.",
+            " for this model, or the plugin that replaces it",
         )

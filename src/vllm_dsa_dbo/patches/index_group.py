@@ -6,7 +6,7 @@ import inspect
 from types import ModuleType
 from typing import Any
 
-from vllm_dsa_dbo import core
+from vllm_dsa_dbo import core, guard
 from vllm_dsa_dbo.patches._shared import Patch
 
 
@@ -85,13 +85,12 @@ def apply(target: ModuleType) -> None:
             and self.num_ubatches > 1
             and isinstance(self.current_group, hisparse_cls)
         ):
-            raise ValueError(
+            raise guard.refusal(
                 "HiSparse cannot run with dual batch overlap on a model with shared "
                 "top-k layers (index_topk_freq > 1 or an index_topk_pattern): its "
                 "top-k staging has no microbatch dimension and followers would read "
-                "the other microbatch's selection. Drop --enable-dbo (and "
-                "--ubatch-size), or turn HiSparse off (attention_config."
-                "hisparse_config)."
+                "the other microbatch's selection.",
+                guard.NO_HISPARSE,
             )
         group, layer_index = stock_register_layer(
             self, is_index_producing_layer, vllm_config, **kwargs
