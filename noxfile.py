@@ -51,11 +51,12 @@ def build(session: nox.Session) -> Path:
     checked, and every file of the package under src/ in the wheel."""
     out = Path(session.virtualenv.location) / "dist"
     shutil.rmtree(out, ignore_errors=True)
-    session.run("uv", "build", "--out-dir", str(out), silent=True)
+    # run_install: also under --install-only, which installs the wheel this builds.
+    session.run_install("uv", "build", "--out-dir", str(out), silent=True)
     [sdist], [wheel] = out.glob("*.tar.gz"), out.glob("*.whl")
-    session.run("uvx", "twine", "check", "--strict", str(sdist), str(wheel))
+    session.run_install("uvx", "twine", "check", "--strict", str(sdist), str(wheel))
     packaged = set(zipfile.ZipFile(wheel).namelist())
-    tracked = session.run("git", "ls-files", "src", external=True, silent=True).split()
+    tracked = session.run_install("git", "ls-files", "src", external=True, silent=True).split()
     missing = [path for path in tracked if path.removeprefix("src/") not in packaged]
     if missing:
         session.error(f"{wheel.name} lacks {', '.join(missing)}")
