@@ -439,7 +439,7 @@ def test_guards_freq_and_pattern_rule_covers_vllms(pattern, freq, offset):
 
 
 def test_refusals_write_their_remedy_once():
-    """Every DBO refusal is built by guard.refusal, so the remedy is written in one place
+    """Every DBO refusal is built by settings.refusal, so the remedy is written in one place
     (the upstream change holds vLLM's source text, no refusal)."""
     package = Path(guard.__file__).parent
     sources = [p for p in package.rglob("*.py") if "upstream" not in p.relative_to(package).parts]

@@ -451,13 +451,6 @@ except KeyError:
         "True",
         LEFT_OUT_TEST,
     ),
-    "a tree's private follower groups never refused": edit(
-        "diagnostics.refusals:left_shared",
-        "ubatch_count(group) < num_ubatches or not getattr("
-        "group, 'leader_writes_follow_impl', False)",
-        "False",
-        LEFT_OUT_TEST,
-    ),
     "the guard checks at config creation only": edit(
         "guard:install",
         "put(why)",
@@ -616,8 +609,9 @@ except KeyError:
     ),
     "upstream change calls torch.cuda": text(
         UPSTREAM_CHANGE,
-        "        group.set_logical_topk_ready(leader_index)\n",
-        "        group.set_logical_topk_ready(leader_index)\n        torch.cuda.synchronize()\n",
+        "            group.set_logical_topk_ready(leader_index)\n",
+        "            group.set_logical_topk_ready(leader_index)\n"
+        "            torch.cuda.synchronize()\n",
         UPSTREAM_HOOKS_TEST,
     ),
     "upstream-patch patches a statement that differs from its release's": edit(
@@ -775,13 +769,6 @@ if patches.matters(mistral_attention.PATCH):
             'if not all(hasattr(writer, "index_group") for writer in writers):\n    return',
             "pass",
             MISTRAL_UNWIRED_TEST,
-        ),
-        "Mistral in a tree lacking its writers' change loaded under DBO": edit(
-            "diagnostics.refusals:classes_of_lacked_files",
-            None,
-            "return []",
-            "tests/test_upstream_tree_load.py::"
-            "test_a_tree_with_mistral_large_4_in_part_refuses_it_under_dbo[model]",
         ),
         "the guard takes only 'shared' for a follower where vLLM's layer specs say more": edit(
             "guard:index_sharing_shares",

@@ -62,8 +62,8 @@ def test_every_patch_lists_what_it_sets():
 
 def test_patch_catalogue_is_current():
     """docs/PATCHES.md is what the records write; where it fails, regenerate it:
-    `python -m vllm_dsa_dbo.patches._catalogue > docs/PATCHES.md`."""
-    from vllm_dsa_dbo.patches._catalogue import catalogue
+    `python -m vllm_dsa_dbo.diagnostics.catalogue > docs/PATCHES.md`."""
+    from vllm_dsa_dbo.diagnostics.catalogue import catalogue
 
     committed = Path(__file__).resolve().parents[1] / "docs" / "PATCHES.md"
     assert committed.read_text() == catalogue()

@@ -235,9 +235,11 @@ def test_the_tree_refuses_hisparse_under_dbo_as_the_plugin_does(released, tmp_pa
     """Both refuse HiSparse groups with followers under DBO, in the same words (the tree's
     raise at startup runs in the change's tests)."""
     tree = patched_tree(released, tmp_path)
-    plugin = hisparse_refusals(Path(patches.__file__).with_name("index_group.py").read_text())
-    assert len(plugin) == 1
-    assert hisparse_refusals((tree / INDEX_GROUP).read_text()) == plugin
+    from vllm_dsa_dbo.settings import NO_HISPARSE, refusal
+
+    [problem] = hisparse_refusals(Path(patches.__file__).with_name("index_group.py").read_text())
+    plugin = str(refusal(problem, NO_HISPARSE)).removeprefix("vllm-dsa-dbo: ")
+    assert hisparse_refusals((tree / INDEX_GROUP).read_text()) == [plugin]
 
 
 def mypy_groups(root: Path, files: list[str]) -> dict[str, list[str]]:

@@ -10,7 +10,14 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm_dsa_dbo.patches._shared import replace_function
-from vllm_dsa_dbo.settings import RELEASES, SUPPORTED_VLLM, is_supported_vllm
+from vllm_dsa_dbo.settings import (
+    DROP_DBO,
+    NO_HISPARSE,
+    RELEASES,
+    SUPPORTED_VLLM,
+    is_supported_vllm,
+    refusal,
+)
 
 # Config keys by which a vLLM 0.33.0 or 0.34.0 DSA model hands one layer's top-k to another.
 SHARING_KEYS = (
@@ -29,7 +36,6 @@ SKIP_TOPK_LAYERS = (
 )
 MISTRAL_LAYER_SPECS = ("vllm.models.mistral.common.layer_spec:get_layer_specs",)
 _GUARDED = "_vllm_dsa_dbo_guard"
-DROP_DBO = "Drop --enable-dbo (and --ubatch-size)"
 RUN_UNDER_DBO = (
     f" for this model, or, to run it under DBO, use vLLM {' or '.join(RELEASES)} with "
     "vllm-dsa-dbo enabled, which fixes or refuses each path (vllm PR #60734 alone fixes only "
@@ -41,12 +47,6 @@ HISPARSE = (
     "(HiSparseCacheHandle.write_target), so microbatch 1 writes its KV into microbatch 0's "
     "slots, and its request state and block tables are bound for the whole batch."
 )
-NO_HISPARSE = ", or turn HiSparse off (attention_config.hisparse_config)"
-
-
-def refusal(problem: str, remedy: str = " for this model") -> ValueError:
-    """Every DBO refusal in one form: what would go wrong, then how to run without it."""
-    return ValueError(f"vllm-dsa-dbo: {problem} {DROP_DBO}{remedy}.")
 
 
 def vllm_rule(places: tuple[str, ...]) -> Callable[[Any], Any] | None:

@@ -17,6 +17,9 @@ CHECK_MODES = ("raise", "audit")
 # Chose between two layouts of microbatches 1..'s top-k before the token-offset one became
 # the only one: set, it is reported as no longer read.
 RETIRED_LAYOUT_ENV = "VLLM_DSA_DBO_LAYOUT"
+# How every DBO refusal ends: run without DBO (and, for HiSparse, without HiSparse).
+DROP_DBO = "Drop --enable-dbo (and --ubatch-size)"
+NO_HISPARSE = ", or turn HiSparse off (attention_config.hisparse_config)"
 # Under "vllm." so that lines carry vLLM's log format and level.
 LOGGER_NAME = "vllm.dsa_dbo"
 
@@ -74,6 +77,11 @@ def retired_layout_notice() -> str | None:
         f"{RETIRED_LAYOUT_ENV}={os.environ[RETIRED_LAYOUT_ENV]!r} is no longer read: "
         "microbatches 1.. always read microbatch 0's top-k buffers from their token offset"
     )
+
+
+def refusal(problem: str, remedy: str = " for this model") -> ValueError:
+    """Every DBO refusal in one form: what would go wrong, then how to run without it."""
+    return ValueError(f"vllm-dsa-dbo: {problem} {DROP_DBO}{remedy}.")
 
 
 def release_of(version: str) -> str | None:

@@ -10,9 +10,9 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from vllm_dsa_dbo.guard import refusal
 from vllm_dsa_dbo.patches import overridden
 from vllm_dsa_dbo.patches._shared import class_syntax
+from vllm_dsa_dbo.settings import refusal
 from vllm_dsa_dbo.ubatch_buffers import stored_buffer, ubatch_copies
 
 if TYPE_CHECKING:

@@ -6,8 +6,9 @@ import inspect
 from types import ModuleType
 from typing import Any
 
-from vllm_dsa_dbo import core, guard
+from vllm_dsa_dbo import core
 from vllm_dsa_dbo.patches._shared import Patch
+from vllm_dsa_dbo.settings import NO_HISPARSE, refusal
 
 
 def in_tree(target: ModuleType) -> str | None:
@@ -85,12 +86,12 @@ def apply(target: ModuleType) -> None:
             and self.num_ubatches > 1
             and isinstance(self.current_group, hisparse_cls)
         ):
-            raise guard.refusal(
+            raise refusal(
                 "HiSparse cannot run with dual batch overlap on a model with shared "
                 "top-k layers (index_topk_freq > 1 or an index_topk_pattern): its "
                 "top-k staging has no microbatch dimension and followers would read "
                 "the other microbatch's selection.",
-                guard.NO_HISPARSE,
+                NO_HISPARSE,
             )
         group, layer_index = stock_register_layer(
             self, is_index_producing_layer, vllm_config, **kwargs

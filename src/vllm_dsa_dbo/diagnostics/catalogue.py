@@ -1,5 +1,5 @@
 """docs/PATCHES.md, written from the `Patch` records so that it cannot drift from them:
-`python -m vllm_dsa_dbo.patches._catalogue > docs/PATCHES.md`."""
+`python -m vllm_dsa_dbo.diagnostics.catalogue > docs/PATCHES.md`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from vllm_dsa_dbo.patches._shared import Patch
 HEADER = """\
 # Patch catalogue
 
-Generated from the plugin's `Patch` records by `python -m vllm_dsa_dbo.patches._catalogue >
+Generated from the plugin's `Patch` records by `python -m vllm_dsa_dbo.diagnostics.catalogue >
 docs/PATCHES.md`; the suite fails when this file is not what they write. Per patch: the vLLM
 symbols it sets, why, how, the upstream change that would retire it, and the vLLM releases
 whose code it fits (the sha256 of the symbols' source it was written against: on any other
