@@ -26,7 +26,6 @@ import pytest
 from dsa_dbo_harness.serve_report import (
     FILTER,
     TASK,
-    WORKER_COUNTS,
     agreeing,
     answers,
     harness_counts,
@@ -80,7 +79,7 @@ def assert_within_floor(table: Path, name: str, reference: str = "off_a") -> Non
 
 
 def counts(table: Path, name: str) -> list[dict[str, int | None]]:
-    found = [dict(zip(WORKER_COUNTS, c)) for c in harness_counts(table, arm(table, name))]
+    found = harness_counts(table, arm(table, name))
     assert len(found) == 2, f"{name}: {2 - len(found)} worker(s) logged no microbatched forward"
     return found
 

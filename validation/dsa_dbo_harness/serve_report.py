@@ -99,15 +99,14 @@ def agreeing(run: dict[int, str], reference: dict[int, str]) -> int:
     return sum(run[q] == reference[q] for q in reference)
 
 
-def harness_counts(table: Path, name: str) -> list[tuple[int | None, ...]]:
-    """Per rank, the last (microbatched forwards, forwards, checked reads, bad reads, steps
-    past the workspace) its worker logged; ranks whose worker logged no microbatched forward
-    are left out."""
+def harness_counts(table: Path, name: str) -> list[dict[str, int | None]]:
+    """Per rank, the last WORKER_COUNTS its worker logged, by name; ranks whose worker logged
+    no microbatched forward are left out."""
     counts = []
     for log in (table / f"{name}.rank{rank}.log" for rank in (0, 1)):
         found = HARNESS_LINE.findall(log.read_text()) if log.is_file() else []
         if found:
-            counts.append(tuple(int(v) if v else None for v in found[-1]))
+            counts.append(dict(zip(WORKER_COUNTS, (int(v) if v else None for v in found[-1]))))
     return counts
 
 
@@ -157,7 +156,7 @@ def spec_decode(table: Path, name: str) -> dict[str, float] | None:
 
 def record(table: Path, name: str, mode: str) -> dict:
     """What serve_table.sh keeps of one arm as ARM.json."""
-    workers = [dict(zip(WORKER_COUNTS, counts)) for counts in harness_counts(table, name)]
+    workers = harness_counts(table, name)
     named = runners(table, name)
     return {
         "arm": name,
@@ -199,7 +198,7 @@ def report(table: Path) -> str:
             same = agreeing(answers(table, name), answers(table, reference))
             agree, against = f"{same} / {row.questions}", reference
             lost, p = f"{row.lost} / {row.gained}", f"{row.mcnemar_p:.3g}"
-        counts = [dict(zip(WORKER_COUNTS, c)) for c in harness_counts(table, name)]
+        counts = harness_counts(table, name)
         forwards = (
             ", ".join(f"{c['microbatched_forwards']} of {c['forwards']}" for c in counts) or "-"
         )
