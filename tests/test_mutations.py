@@ -404,7 +404,7 @@ except KeyError:
     ),
     "a point release's changed seam patched blind": edit(
         "patches:_outcome",
-        "patch.check(target) or misfit(patch, target, release())",
+        "patch.check(target) or (what if form is carried.Form.CHANGED else None)",
         "patch.check(target)",
         f"{LIVE}::test_point_release_patched_seam_by_seam",
     ),
@@ -416,8 +416,8 @@ except KeyError:
     ),
     "the patches a vLLM carries applied over its own": edit(
         "patches:_outcome",
-        "patch.in_tree(target)",
-        "None",
+        "form is carried.Form.CARRIED",
+        "False",
         TREE_TEST,
     ),
     "patches built on the core left unapplied over vLLM's own core": edit(
@@ -694,8 +694,8 @@ except KeyError:
         f"{LIVE}::test_leader_buffer_made_plain_after_register_is_refused_at_load",
     ),
     "a tree carrying the change in part refused without naming what it lacks": edit(
-        "diagnostics.refusals:lacked_files",
-        "all(found.values()) or not any(found.values())",
+        "carried:lacked",
+        "all(has.values()) or not any(has.values())",
         "True",
         f"{PARTIAL_TREE_TEST}[index_group]",
     ),

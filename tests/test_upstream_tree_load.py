@@ -287,3 +287,24 @@ def test_a_tree_with_mistral_large_4_in_part_refuses_it_under_dbo(
     assert "carries the upstream change (vllm PR #60734) in part" in refusal, refusal
     lacked = refusal.partition("it lacks the change to ")[2]
     assert all(path in lacked for path in set(MISTRAL_FILES) - set(part)), refusal
+
+
+@pytest.mark.skipif(not set(MISTRAL_FILES) <= SOURCES, reason="the change has no Mistral files")
+def test_a_tree_with_only_mistral_large_4s_files_leaves_glm5_to_the_plugin(
+    released,  # noqa: F811
+    patched_files,
+    tmp_path,
+):
+    """GLM-5's files are as released, so the plugin's patches fix it under DBO; Mistral Large 4
+    would run the tree's files on the plugin's core, a mix the plugin refuses under DBO."""
+    tree = small_tree(released, tmp_path, link=True)
+    for path in MISTRAL_FILES:
+        (tree / path).write_text(patched_files[path])
+    result = run_in_tree(tree, LOAD_IN_TREE, "dsv32,,own")
+    out = result.stdout
+    assert result.returncode == 0 and "LOADED dsv32 True" in out, out + result.stderr[-3000:]
+    assert "READS dsv32 []" in out, out
+    mistral = run_in_tree(tree, LOAD_MISTRAL).stdout
+    [refusal] = [line for line in mistral.splitlines() if line.startswith("REFUSED")]
+    assert "the plugin vouches for all of the change on a model's path or none of it" in refusal
+    assert f"{INDEX_GROUP}, {SPARSE_MLA}, which do not" in refusal, refusal

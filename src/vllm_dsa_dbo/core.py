@@ -26,6 +26,8 @@ from torch.compiler import is_dynamo_compiling
 from vllm.v1.worker import ubatching
 from vllm.v1.worker.ubatching import dbo_current_ubatch_token_offset
 
+from vllm_dsa_dbo import carried
+
 if TYPE_CHECKING:
     from vllm.v1.attention.backends.mla.index_group import (
         SparseMLAIndexGroup,
@@ -122,7 +124,7 @@ def topk_state(
 def extra_topk_states(group: Any) -> list[Any]:
     """`group`'s converted top-k states for microbatches 1..: the plugin's, or those of a vLLM
     carrying the upstream change (`ubatch_topk`, microbatch 0's first)."""
-    if hasattr(group, "ubatch_topk"):
+    if carried.own_groups():
         return list(group.ubatch_topk)[1:]
     return list(getattr(group, "ubatch_topk_states", ()))
 
@@ -172,7 +174,7 @@ def resolve_logical_topk(
     ubatch_id = current_ubatch_id()
     if ubatch_id == 0 or not getattr(group, "leader_writes_follow_impl", False):
         return buffer
-    if hasattr(group, "ubatch_topk_rows"):  # vLLM's own: its rows at the token offset
+    if carried.own_groups():  # vLLM's own: its rows at the token offset
         return group.ubatch_topk_rows(buffer) if buffer is group.logical_topk_indices else buffer
     extra = group.ubatch_logical_topk
     if not extra.followed or buffer is not extra.buffer:
@@ -271,7 +273,7 @@ def share_ubatch_logical_topk(
     for group in groups:
         group.ubatch_logical_topk = extra
         group.leader_writes_follow_impl = True
-        if hasattr(group, "ubatch_topk_rows"):  # a vLLM carrying the upstream change
+        if carried.own_groups():
             tree_ubatch_topk(group, num_ubatches)
     for op, group in leaders:
         op.index_group = group

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import ast
 import functools
+import inspect
+import textwrap
 import threading
 from collections.abc import Callable
-from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from vllm_dsa_dbo import carried
 from vllm_dsa_dbo.patches import overridden
-from vllm_dsa_dbo.patches._shared import class_syntax
 from vllm_dsa_dbo.settings import refusal
 from vllm_dsa_dbo.ubatch_buffers import stored_buffer, ubatch_copies
 
@@ -74,7 +75,7 @@ def left_shared(group: Any, num_ubatches: int) -> bool:
     per microbatch, where its model passed the count: its own fixed writers', or those the
     mla patch wires. A follower's private group (HYV4, ROCm DSA) needs only a logical buffer
     its leader's writers resolve, in either form."""
-    if hasattr(group, "ubatch_topk"):
+    if carried.own_groups():
         if num_ubatches < 2 or not reads_another_layers_topk(group):
             return False
         if group.num_layers > 1:
@@ -179,6 +180,14 @@ def _address(tensor: Any) -> int | None:
     return None if tensor is None else tensor.data_ptr()
 
 
+def class_syntax(cls: type) -> ast.Module | None:
+    """`cls`'s code as a syntax tree; None where it has no source to read."""
+    try:
+        return ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+
+
 @functools.cache
 def reads_own_buffer(cls: type) -> bool:
     """Whether vLLM's code of `cls` reads `self.topk_indices_buffer`, as released leaders'
@@ -217,7 +226,7 @@ def resolved_topk(model: Any, group: Any) -> dict[str, int | None]:
         if reads_own_buffer(type(module)):
             found[name] = _address(module.topk_indices_buffer)
     if group.num_layers > 1:
-        if hasattr(group, "ubatch_topk_rows"):  # vLLM's own: its rows at the token offset
+        if carried.own_groups():  # vLLM's own: its rows at the token offset
             physical = group.ubatch_topk_rows(group.physical_topk_indices)
         else:
             physical = getattr(group, "_topk_state", lambda: group)().physical_topk_indices
@@ -251,46 +260,15 @@ def unresolved(model: Any) -> str | None:
     return None
 
 
-@functools.cache
-def lacked_files() -> tuple[str, ...]:
-    """The upstream change's vLLM files this vLLM lacks where it carries the change in part
-    (none where it carries all of it or none); read from its files once per process."""
-    import vllm
-
-    from vllm_dsa_dbo import upstream
-    from vllm_dsa_dbo.patches import release
-
-    change = upstream.RELEASES.get(release() or "")
-    if change is None:
-        return ()
-    found = upstream.carried(Path(vllm.__file__).parents[1], change)
-    if all(found.values()) or not any(found.values()):
-        return ()
-    return tuple(path for path, has in found.items() if not has)
-
-
 def lacked_change() -> str | None:
-    """What this vLLM lacks of the upstream change where it carries the change in part: the
-    plugin leaves its own patches of the carried parts out, so a refusal names the rest."""
-    lacked = lacked_files()
+    """What this vLLM lacks of the upstream change where it carries the change in part."""
+    lacked = carried.lacked()
     if not lacked:
         return None
     return (
         "this vLLM carries the upstream change (vllm PR #60734) in part: it lacks the change "
         f"to {', '.join(lacked)}"
     )
-
-
-def classes_of_lacked_files(model: Any) -> list[str]:
-    """The classes of `model`'s modules that a file of the change this vLLM lacks defines: a
-    mix of the tree's change and the plugin's patches of such a class is refused, not trusted."""
-    lacked = set(lacked_files())
-    found = {
-        f"{type(m).__qualname__} ({type(m).__module__})"
-        for m in model.modules()
-        if type(m).__module__.replace(".", "/") + ".py" in lacked
-    }
-    return sorted(found)
 
 
 def sentence(text: str | None) -> str:
@@ -301,12 +279,11 @@ def sentence(text: str | None) -> str:
 def check_wired(model: Any, num_ubatches: int = 1) -> None:
     """Refuse DBO for a model whose leaders write the shared top-k elsewhere."""
     shares = any(reads_another_layers_topk(g) for g in index_groups(model))
-    if num_ubatches > 1 and shares and (classes := classes_of_lacked_files(model)):
+    if num_ubatches > 1 and shares and (mixed := carried.unvouched(model)):
         raise refusal(
-            f"{type(model).__name__} shares top-k between layers, and "
-            f"{lacked_change()}, which defines {', '.join(classes)}: the plugin does not vouch "
-            "that, with dual batch overlap, those layers keep their top-k per microbatch as the "
-            "rest of the change does.",
+            f"{type(model).__name__} shares top-k between layers, and {lacked_change()}. "
+            f"Its layers run files that carry the change and {', '.join(mixed)}, which do not: "
+            "the plugin vouches for all of the change on a model's path or none of it.",
             " for this model, or take the whole change",
         )
     if num_ubatches > 1 and (

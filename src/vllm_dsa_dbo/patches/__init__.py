@@ -14,9 +14,9 @@ from collections.abc import Iterable
 from types import ModuleType
 from typing import Any
 
-from vllm_dsa_dbo import settings
+from vllm_dsa_dbo import carried, settings
 from vllm_dsa_dbo.patches._on_import import is_pending, on_first_import
-from vllm_dsa_dbo.patches._shared import Patch, misfit, where
+from vllm_dsa_dbo.patches._shared import Patch, where
 
 # The fix's patch modules: every module of this package but the underscored ones.
 NAMES = tuple(sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name[0] != "_"))
@@ -77,9 +77,11 @@ def _import(patch: Patch) -> ModuleType | None:
 def _outcome(patch: Patch, target: ModuleType, known: dict[str, str | None]) -> str | None:
     """Why `patch` is left unapplied on `target`, given the outcomes `known` of those it
     requires; None when it is in force, or would be once applied."""
-    carried = patch.in_tree(target)
-    if carried is not None:
-        CARRIED[patch.name] = carried
+    here = release()
+    assert here is not None  # a patch matters only in a supported release
+    form, what = carried.form(patch.name, target, patch.replaces, here, patch.fits[here])
+    if form is carried.Form.CARRIED:
+        CARRIED[patch.name] = what
         return None
     if patch.name in applied(target):
         return None
@@ -93,7 +95,7 @@ def _outcome(patch: Patch, target: ModuleType, known: dict[str, str | None]) -> 
     ]
     if needs:
         return "needs " + "; ".join(needs)
-    return patch.check(target) or misfit(patch, target, release())
+    return patch.check(target) or (what if form is carried.Form.CHANGED else None)
 
 
 def matters(patch: Patch) -> bool:

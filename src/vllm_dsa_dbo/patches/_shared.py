@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import ast
 import functools
-import hashlib
 import inspect
 import sys
-import textwrap
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -27,7 +24,7 @@ class Patch:
     upstream: str
     remove_when: str
     apply: Callable[[ModuleType], None]
-    # Per supported release, the fingerprint (`seam_digest`) of the target's symbols that
+    # Per supported release, the fingerprint (`carried.seam_digest`) of the target's symbols that
     # `replaces` names: a vLLM whose seam has another is left unpatched, never patched blind.
     fits: Mapping[str, str] = field(default_factory=dict)
     # How the seam differs between the releases in `fits`, where it does.
@@ -36,34 +33,8 @@ class Patch:
     requires: tuple[str, ...] = ()
     # What of the vLLM internals it relies on differs here; None when nothing does.
     check: Callable[[ModuleType], str | None] = lambda target: None
-    # What the target's own code has that makes it redundant (a vLLM carrying the upstream
-    # change); None when nothing does.
-    in_tree: Callable[[ModuleType], str | None] = lambda target: None
     # vLLM imports its target on every platform; should that fail off ROCm, it does not matter.
     rocm_only: bool = False
-
-
-def seam_digest(target: ModuleType, replaces: tuple[str, ...]) -> str:
-    """sha256 (16 hex digits) of the source of each of `target`'s symbols that `replaces` names."""
-    digest = hashlib.sha256()
-    for name in sorted({symbol.split(".")[0] for symbol in replaces}):
-        digest.update(inspect.getsource(getattr(target, name)).encode())
-    return digest.hexdigest()[:16]
-
-
-def misfit(patch: Patch, target: ModuleType, release: str) -> str | None:
-    """None when `target`'s seam is `release`'s as `patch` was written for it, else what differs."""
-    expected = patch.fits[release]
-    try:
-        found = seam_digest(target, patch.replaces)
-    except (OSError, TypeError) as e:  # no source: nothing shows the seam is the release's
-        return f"{patch.target}: no source to compare with vLLM {release}'s ({e})"
-    if found != expected:
-        return (
-            f"{patch.target} differs from vLLM {release}'s where the patch sets "
-            f"{', '.join(patch.replaces)} (seam sha256 {found}, expected {expected})"
-        )
-    return None
 
 
 def _impl_buffer(layer: Any) -> Any:
@@ -133,18 +104,3 @@ def where(function: Any) -> str:
     if code is None:
         return repr(function)
     return f"{code.co_name} at {code.co_filename}:{code.co_firstlineno}"
-
-
-def class_syntax(cls: type) -> ast.Module | None:
-    """`cls`'s code as a syntax tree; None where it has no source to read."""
-    try:
-        return ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    except (OSError, TypeError, SyntaxError):
-        return None
-
-
-def source_holds(cls: type, expression: str) -> bool:
-    """Whether `cls`'s code holds `expression` (as ast.unparse writes it): how a vLLM that
-    carries the upstream change is told from a released one; False without source."""
-    tree = class_syntax(cls)
-    return tree is not None and any(ast.unparse(node) == expression for node in ast.walk(tree))

@@ -9,15 +9,7 @@ from vllm_dsa_dbo.patches._shared import (
     IMPL_TOPK_INDICES_BUFFER,
     Patch,
     call_after_init,
-    source_holds,
 )
-
-
-def in_tree(target: ModuleType) -> str | None:
-    """vLLM's own attention hands its writers the impl's buffer (vllm PR #60734)."""
-    if not source_holds(target.DeepseekV32Attention, "self.impl.topk_indices_buffer"):
-        return None
-    return "DeepseekV32Attention's writers take the impl's topk_indices_buffer (vllm PR #60734)"
 
 
 def mark_wired(attention: Any) -> None:
@@ -63,5 +55,4 @@ PATCH = Patch(
     remove_when="the vLLM release that merges PR #60734 (not in 0.33.0)",
     requires=("index_group", "sparse_mla_attention"),
     apply=apply,
-    in_tree=in_tree,
 )

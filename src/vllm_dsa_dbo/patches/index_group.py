@@ -11,28 +11,6 @@ from vllm_dsa_dbo.patches._shared import Patch
 from vllm_dsa_dbo.settings import NO_HISPARSE, refusal
 
 
-def in_tree(target: ModuleType) -> str | None:
-    """vLLM's own PR #60734 builder: it keeps per-microbatch state only where a model
-    passes num_ubatches (DeepseekV32Model on CUDA), and starts every group wired."""
-    init = target.SparseMLAIndexGroupBuilder.__init__
-    if getattr(init, "__module__", None) != target.__name__ or not hasattr(
-        target.SparseMLAIndexGroup, "_topk_state"
-    ):
-        return None
-    try:
-        parameter = inspect.signature(init).parameters.get("num_ubatches")
-    except (TypeError, ValueError):  # a builder inspect cannot read
-        return None
-    if parameter is None:
-        return None
-    return (
-        "SparseMLAIndexGroupBuilder takes num_ubatches, default "
-        f"{parameter.default}, and SparseMLAIndexGroup._topk_state() resolves per microbatch "
-        "(vllm PR #60734): only builders given the count, DeepseekV32Model's on CUDA, "
-        "keep per-microbatch state"
-    )
-
-
 def check(target: ModuleType) -> str | None:
     return core.thread_registry_mismatch() or builder_mismatch(target.SparseMLAIndexGroupBuilder)
 
@@ -147,5 +125,4 @@ PATCH = Patch(
     remove_when="the vLLM release that merges PR #60734 (not in 0.33.0)",
     apply=apply,
     check=check,
-    in_tree=in_tree,
 )

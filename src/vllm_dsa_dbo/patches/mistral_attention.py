@@ -5,14 +5,7 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from vllm_dsa_dbo.patches._shared import Patch, call_after_init, source_holds
-
-
-def in_tree(target: ModuleType) -> str | None:
-    """vLLM's own Mistral attention hands its writers the impl's buffer (the upstream change)."""
-    if not source_holds(target.MistralMLAAttention, "self.attn.impl.topk_indices_buffer"):
-        return None
-    return "MistralMLAAttention's writers take the impl's topk_indices_buffer (upstream-patch)"
+from vllm_dsa_dbo.patches._shared import Patch, call_after_init
 
 
 def wire(attention: Any) -> None:
@@ -56,5 +49,4 @@ PATCH = Patch(
     remove_when="the vLLM release whose Mistral Large 4 keeps its top-k per DBO microbatch",
     requires=("mistral_indexer",),
     apply=apply,
-    in_tree=in_tree,
 )

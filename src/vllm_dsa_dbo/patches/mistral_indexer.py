@@ -6,14 +6,7 @@ from types import ModuleType
 from typing import Any
 
 from vllm_dsa_dbo.core import per_ubatch_indexer_op, resolve_logical_topk
-from vllm_dsa_dbo.patches._shared import Patch, source_holds
-
-
-def in_tree(target: ModuleType) -> str | None:
-    """vLLM's own MistralIndexer hands its op the buffer of each call (the upstream change)."""
-    if not source_holds(target.MistralIndexer, "self.indexer_op.topk_indices_buffer"):
-        return None
-    return "MistralIndexer gives its op the caller's topk_indices_buffer (upstream-patch)"
+from vllm_dsa_dbo.patches._shared import Patch
 
 
 def _get(self: Any) -> Any:
@@ -60,5 +53,4 @@ PATCH = Patch(
     remove_when="the vLLM release whose Mistral Large 4 keeps its top-k per DBO microbatch",
     requires=("index_group", "sparse_mla_attention"),
     apply=apply,
-    in_tree=in_tree,
 )

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from torch.compiler import is_dynamo_compiling
 from vllm.platforms import current_platform
 
+from vllm_dsa_dbo import carried
 from vllm_dsa_dbo.core import configured_num_ubatches, extra_topk_states, wire_indexer_op_leader
 from vllm_dsa_dbo.patches._shared import Patch
 
@@ -47,7 +48,7 @@ def count_ubatches(builder: Any) -> None:
     before its first follower joins: it keeps per-microbatch state (`_add_ubatch_topk`)
     only where the model passed the count, as its DeepseekV32Model does and deepseek_v2.py
     does not. The plugin's own builder takes the run's count already."""
-    if hasattr(type(builder), "_add_ubatch_topk"):
+    if carried.own_groups():
         builder.num_ubatches = max(builder.num_ubatches, configured_num_ubatches())
 
 

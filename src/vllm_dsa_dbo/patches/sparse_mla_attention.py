@@ -9,18 +9,6 @@ from vllm_dsa_dbo.core import _UBATCH_ID_OF_THREAD, resolve_logical_topk
 from vllm_dsa_dbo.patches._shared import Patch
 
 
-def in_tree(target: ModuleType) -> str | None:
-    """vLLM's own getter resolves per microbatch (vllm PR #60734)."""
-    getter = getattr(
-        target.SharedTopkIndicesBuffer.__dict__.get("topk_indices_buffer"), "fget", None
-    )
-    if getattr(getter, "__module__", None) != target.__name__:
-        return None
-    if "ubatch_topk_rows" not in getter.__code__.co_names:
-        return None
-    return "SharedTopkIndicesBuffer.topk_indices_buffer resolves per microbatch (vllm PR #60734)"
-
-
 def check(target: ModuleType) -> str | None:
     """The stock getter reads the two attributes the inline copy below reads."""
     stock = target.SharedTopkIndicesBuffer.__dict__.get("topk_indices_buffer")
@@ -70,5 +58,4 @@ PATCH = Patch(
     requires=("index_group",),
     apply=apply,
     check=check,
-    in_tree=in_tree,
 )

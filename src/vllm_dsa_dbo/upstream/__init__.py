@@ -199,19 +199,6 @@ def fitting(root: Path, change: Change) -> int:
     return count
 
 
-def carried(root: Path, change: Change) -> dict[str, bool]:
-    """Per vLLM source file `change` edits, whether `root` holds every statement as the change
-    leaves it: what a vLLM carrying the change in part has of it, file by file."""
-    found = {}
-    for path, statements in change.files.items():
-        if path.startswith("vllm/"):
-            digests = statement_digests(root, path, statements)
-            found[path] = digests is not None and all(
-                digests[name] == [changed] for name, (_, changed, _) in statements.items()
-            )
-    return found
-
-
 def release(root: Path) -> Change:
     """The change for the sdist's version; for a git checkout, the one its statements fit."""
     version = sdist_version(root)
