@@ -310,15 +310,15 @@ except KeyError:
     "indexer op body left as vLLM's (compiled DSA)": skip("sparse_attn_indexer", COMPILED_TEST),
     "indexer op body writes microbatch 0's buffer (compiled DSA)": edit(
         "patches.sparse_attn_indexer:per_ubatch_indexer_kernel.per_ubatch_kernel",
-        "_UBATCH_ID_OF_THREAD and INDEXER_OP_LEADERS",
+        "INDEXER_OP_LEADERS and current_ubatch_id()",
         "False",
         COMPILED_TEST,
     ),
     "compiled DSA layers not wired": skip("mla", COMPILED_TEST),
     "traced code looks the microbatch up (graph break under fullgraph)": edit(
-        "core:UbatchTopkField.__get__",
-        "_UBATCH_ID_OF_THREAD and not is_dynamo_compiling()",
-        "_UBATCH_ID_OF_THREAD",
+        "core:current_ubatch_id",
+        "not _UBATCH_ID_OF_THREAD or is_dynamo_compiling()",
+        "not _UBATCH_ID_OF_THREAD",
         TRACED_TEST,
     ),
     "extra microbatches wait on their own, never-recorded event (compiled DSA)": edit(

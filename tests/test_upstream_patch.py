@@ -368,7 +368,7 @@ def test_plugin_in_a_patched_tree_retires_only_what_the_tree_carries(released, t
     # The Mistral Large 4 files the 0.34.0 change holds retire the plugin's Mistral patches too.
     mistral = ["mistral_indexer", "mistral_attention"] if patches.matters(MISTRAL_PATCH) else []
     assert out.count("CARRIED by this vLLM, so not applied") == 3 + len(mistral)
-    assert "SparseMLAIndexGroupBuilder takes num_ubatches, default 1" in out
+    assert "SparseMLAIndexGroup keeps its top-k state per microbatch" in out
     retired = ["index_group", "sparse_mla_attention", "deepseek_v32_attention"]
     assert f"this vLLM carries {', '.join(retired + mistral)};" in out, out
     applies = out.partition("; the plugin applies ")[2].splitlines()[0].split(", ")

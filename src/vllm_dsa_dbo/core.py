@@ -35,7 +35,8 @@ if TYPE_CHECKING:
     )
 
 # DBO registers each microbatch thread here (and only mutates the dict); the
-# index_group patch checks that at registration, and stays out if it moved.
+# index_group patch checks that at registration, and stays out if it moved. Read only
+# by `current_ubatch_id`.
 _UBATCH_ID_OF_THREAD: dict[int, int] = getattr(ubatching, "_THREAD_ID_TO_CONTEXT", {})
 
 
@@ -49,8 +50,9 @@ def configured_num_ubatches() -> int:
 
 
 def current_ubatch_id() -> int:
-    """DBO microbatch of the calling thread, 0 for any other (vLLM's own lookup raises)."""
-    if not _UBATCH_ID_OF_THREAD:  # no microbatch running: skip the thread lookup
+    """DBO microbatch of the calling thread, 0 for any other (vLLM's own lookup raises) and in
+    code torch.compile traces, which cannot trace the lookup."""
+    if not _UBATCH_ID_OF_THREAD or is_dynamo_compiling():
         return 0
     return _UBATCH_ID_OF_THREAD.get(threading.get_ident(), 0)
 
@@ -142,11 +144,9 @@ class UbatchTopkField:
     def __get__(self, group: SparseMLAIndexGroup | None, owner: type | None = None) -> Any:
         if group is None:
             return self
-        # `topk_state`, inline: read several times per sparse MLA call.
-        if _UBATCH_ID_OF_THREAD and not is_dynamo_compiling():
-            ubatch_id = _UBATCH_ID_OF_THREAD.get(threading.get_ident(), 0)
-            if ubatch_id and group.ubatch_topk_states:
-                return getattr(group.ubatch_topk_states[ubatch_id - 1], self.name)
+        ubatch_id = current_ubatch_id()
+        if ubatch_id and group.ubatch_topk_states:
+            return getattr(group.ubatch_topk_states[ubatch_id - 1], self.name)
         try:
             return group.__dict__[self.slot]
         except KeyError:  # unset (a group built without __init__): as a plain field

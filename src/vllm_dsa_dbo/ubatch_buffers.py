@@ -10,13 +10,11 @@ thread outside DBO, and any buffer nobody registered get the stored tensor.
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import torch
-from torch.compiler import is_dynamo_compiling
 
-from vllm_dsa_dbo.core import _UBATCH_ID_OF_THREAD
+from vllm_dsa_dbo.core import current_ubatch_id
 
 # id(buffer) -> (buffer, its copies for microbatches 1..n-1). The buffer is
 # kept so its id is never reused while the entry lives.
@@ -25,9 +23,7 @@ _COPIES: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
 
 def resolve_buffer(buffer: Any) -> Any:
     """The calling microbatch's copy of `buffer`, or `buffer` itself."""
-    if not _UBATCH_ID_OF_THREAD or is_dynamo_compiling():
-        return buffer
-    ubatch_id = _UBATCH_ID_OF_THREAD.get(threading.get_ident(), 0)
+    ubatch_id = current_ubatch_id()
     if ubatch_id == 0:
         return buffer
     entry = _COPIES.get(id(buffer))

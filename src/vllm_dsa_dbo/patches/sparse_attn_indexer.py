@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from vllm.utils.torch_utils import _resolve_layer_name
 
-from vllm_dsa_dbo.core import _UBATCH_ID_OF_THREAD, INDEXER_OP_LEADERS, resolve_logical_topk
+from vllm_dsa_dbo.core import INDEXER_OP_LEADERS, current_ubatch_id, resolve_logical_topk
 from vllm_dsa_dbo.patches._shared import Patch
 
 # The op body's parameters `per_ubatch_indexer_kernel` reads and replaces.
@@ -37,7 +37,7 @@ def per_ubatch_indexer_kernel(
 
     @functools.wraps(kernel)
     def per_ubatch_kernel(*args: Any, **kwargs: Any) -> torch.Tensor:
-        if _UBATCH_ID_OF_THREAD and INDEXER_OP_LEADERS:
+        if INDEXER_OP_LEADERS and current_ubatch_id():
             prefix = _resolve_layer_name(argument(args, kwargs, prefix_at))
             group = INDEXER_OP_LEADERS.get(prefix)
             buffer = argument(args, kwargs, buffer_at)

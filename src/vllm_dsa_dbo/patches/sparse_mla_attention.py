@@ -5,7 +5,7 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from vllm_dsa_dbo.core import _UBATCH_ID_OF_THREAD, resolve_logical_topk
+from vllm_dsa_dbo.core import resolve_logical_topk
 from vllm_dsa_dbo.patches._shared import Patch
 
 
@@ -24,8 +24,6 @@ def topk_indices_buffer(self: Any) -> Any:
     # vLLM's getter, inline: this property is read on every sparse MLA call.
     indexer = self._indexer
     buffer = self._topk_indices_buffer if indexer is None else indexer.topk_indices_buffer
-    if not _UBATCH_ID_OF_THREAD:  # no microbatch running
-        return buffer
     return resolve_logical_topk(getattr(self, "index_group", None), buffer)
 
 
