@@ -494,6 +494,16 @@ def test_memory_bad_config(tmp_path, content, args, message):
     assert result.stdout.splitlines()[-1] == "torch imported: False"
 
 
+def test_memory_folder_without_a_config(tmp_path):
+    result = cli_without_torch("memory", "--config", str(tmp_path))
+    assert result.returncode == 2
+    assert result.stderr == (
+        f"error: {tmp_path} holds neither config.json (HF format) nor params.json "
+        "(Mistral format)\n"
+    )
+    assert result.stdout.splitlines()[-1] == "torch imported: False"
+
+
 @pytest.mark.parametrize(
     "architectures, shown",
     [

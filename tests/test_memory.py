@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from vllm.v1.attention.backends.mla.index_group import (
     SparseMLAIndexGroupBuilder,
 )
 
+from test_patch_mistral import PARAMS
 from vllm_dsa_dbo.diagnostics import layout as layouts
 from vllm_dsa_dbo.diagnostics.layout import (
     CODE_PATHS,
@@ -88,15 +90,15 @@ def test_bad_num_ubatches_is_refused(fake_gpu):
 # `vllm-dsa-dbo memory` per architecture and platform ----------------------------
 
 
-def memory_report(capsys, config: dict, *args: str) -> dict:
-    """`vllm-dsa-dbo memory --json` for `config`, in this process (vLLM already imported)."""
+def memory_report(capsys, config: dict, *args: str, name: str = "config.json") -> dict:
+    """`vllm-dsa-dbo memory --json` for `config` as a model folder's file `name`, in this
+    process (vLLM already imported)."""
     import tempfile
-    from pathlib import Path
 
     from vllm_dsa_dbo.cli import main
 
     with tempfile.TemporaryDirectory() as folder:
-        (Path(folder) / "config.json").write_text(json.dumps(config))
+        (Path(folder) / name).write_text(json.dumps(config))
         capsys.readouterr()
         assert main(["memory", "--config", folder, "--json", *args]) == 0
         return json.loads(capsys.readouterr().out)
@@ -433,14 +435,76 @@ def test_mistral_large4_leaders_are_its_full_layers(capsys):
     assert every_layer["followers"] == 0 and every_layer["bytes_total"] == 0
 
 
-@pytest.mark.skipif("MistralLarge4ForCausalLM" in CODE_PATHS, reason="this vLLM builds it")
-def test_mistral_large4_is_named_as_a_later_releases_model(capsys, tmp_path):
+# Mistral Large 4 as its Mistral-format folder's params.json: vLLM repeats `sharing` over the
+# layers, as in MISTRAL_LARGE4_REPEATED.
+MISTRAL_LARGE4_PARAMS = {
+    **PARAMS,
+    "n_layers": 8,
+    "dsa": {**PARAMS["dsa"], "topk": 64, "sharing": "full,shared,shared"},
+}
+MISTRAL_LARGE4_REPEATED = {
+    **MISTRAL_LARGE4,
+    "index_sharing": ["full", "shared", "shared", "full", "shared", "shared", "full", "shared"],
+}
+
+
+@pytest.mark.skipif("MistralLarge4ForCausalLM" not in CODE_PATHS, reason="new in vLLM 0.34.0")
+def test_mistral_format_folder_is_read_as_its_hf_config(capsys):
+    mistral = memory_report(capsys, MISTRAL_LARGE4_PARAMS, name="params.json")
+    hf = memory_report(capsys, MISTRAL_LARGE4_REPEATED)
+    assert mistral.pop("model").endswith("params.json") and hf.pop("model").endswith("config.json")
+    assert mistral == hf
+    assert mistral["leaders"] == [0, 3, 6] and mistral["groups_with_followers"] == 3
+
+
+@pytest.mark.skipif("MistralLarge4ForCausalLM" not in CODE_PATHS, reason="new in vLLM 0.34.0")
+def test_a_folder_with_both_configs_is_read_as_vllm_picks(capsys, tmp_path):
+    """vLLM's config_format "auto": params.json only beside consolidated*.safetensors."""
     from vllm_dsa_dbo.cli import main
 
-    (tmp_path / "config.json").write_text(json.dumps(MISTRAL_LARGE4))
+    def read(*weights: str) -> str:
+        folder = tmp_path / "-".join(weights)
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(MISTRAL_LARGE4))
+        (folder / "params.json").write_text(json.dumps(MISTRAL_LARGE4_PARAMS))
+        for name in weights:
+            (folder / name).touch()
+        assert main(["memory", "--config", str(folder), "--json"]) == 0
+        return Path(json.loads(capsys.readouterr().out)["model"]).name
+
+    assert read("model.safetensors") == "config.json"
+    assert read("consolidated-00001-of-00002.safetensors", "model.safetensors") == "params.json"
+
+
+@pytest.mark.skipif("MistralLarge4ForCausalLM" not in CODE_PATHS, reason="new in vLLM 0.34.0")
+def test_what_vllms_mistral_parser_refuses_is_one_line(capsys, tmp_path):
+    from vllm_dsa_dbo.cli import main
+
+    dsa = {**MISTRAL_LARGE4_PARAMS["dsa"], "window": 128}
+    (tmp_path / "params.json").write_text(json.dumps({**MISTRAL_LARGE4_PARAMS, "dsa": dsa}))
+    assert main(["memory", "--config", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.endswith(
+        "params.json: vLLM's Mistral config parser refuses it: "
+        "AssertionError(\"Unparsed dsa config: {'window': 128}\")\n"
+    )
+
+
+@pytest.mark.skipif("MistralLarge4ForCausalLM" in CODE_PATHS, reason="this vLLM builds it")
+@pytest.mark.parametrize(
+    "name, config",
+    [("config.json", MISTRAL_LARGE4), ("params.json", MISTRAL_LARGE4_PARAMS)],
+)
+def test_mistral_large4_is_named_as_a_later_releases_model(capsys, tmp_path, name, config):
+    from vllm_dsa_dbo.cli import main
+
+    (tmp_path / name).write_text(json.dumps(config))
     assert main(["memory", "--config", str(tmp_path)]) == 2
     error = capsys.readouterr().err
-    assert "MistralLarge4ForCausalLM is new in vLLM 0.34.0: the installed vLLM" in error
+    assert (
+        f"error: {tmp_path / name}: MistralLarge4ForCausalLM is new in vLLM 0.34.0: the "
+        "installed vLLM"
+    ) in error
+    assert "Traceback" not in error
 
 
 def test_memory_on_another_vllm_says_whose_rules_it_reads(capsys, monkeypatch):

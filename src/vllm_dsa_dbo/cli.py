@@ -26,6 +26,7 @@ from vllm_dsa_dbo.diagnostics.layout import (
     VLLM_VERSION,
     Layout,
     check_config,
+    from_mistral,
     layout,
     ubatch_topk_bytes_per_extra_ubatch,
 )
@@ -48,6 +49,8 @@ if TYPE_CHECKING:
 
 ENTRY_POINT_GROUP = "vllm.general_plugins"
 ENTRY_POINT_NAME = "dsa_dbo"
+HF_CONFIG = "config.json"
+MISTRAL_CONFIG = "params.json"
 
 GLM53 = {
     "architectures": ["GlmMoeDsaForCausalLM"],
@@ -347,23 +350,46 @@ def check_line(errors: list[str]) -> tuple[str | None, str]:
 
 
 def load_config(args: argparse.Namespace) -> tuple[str, Layout]:
-    """The model's layout on the chosen platform; the JSON is checked before vLLM is imported."""
+    """The model's layout on the chosen platform; a config.json is checked before vLLM is
+    imported."""
     if args.preset:
-        source, config = f"preset {args.preset}", PRESETS[args.preset]
+        source, config, mistral = f"preset {args.preset}", PRESETS[args.preset], False
     else:
-        path = Path(args.config)
-        if path.is_dir():
-            path = path / "config.json"
-        source, config = str(path), read_json(path)
+        path = config_file(Path(args.config))
+        source, config, mistral = str(path), read_json(path), path.name == MISTRAL_CONFIG
         if not isinstance(config, dict):
             raise UsageError(f"{path} is not a JSON object")
     try:
+        if mistral:
+            require_vllm()
+            config = from_mistral(config)
         code_path, text = check_config(config, args.platform)
-        if unusable := vllm_unusable(load=True):
-            raise UsageError(unusable)
+        require_vllm()
         return source, layout(code_path, text)
     except ValueError as e:  # ConfigError, or vLLM's own config class refusing it
         raise UsageError(f"{source}: {e}") from None
+
+
+def config_file(path: Path) -> Path:
+    """`path`, or the config file in that model folder that vLLM's config_format "auto" reads."""
+    if not path.is_dir():
+        return path
+    present = [path / name for name in (HF_CONFIG, MISTRAL_CONFIG) if (path / name).is_file()]
+    if not present:
+        raise UsageError(
+            f"{path} holds neither {HF_CONFIG} (HF format) nor {MISTRAL_CONFIG} (Mistral format)"
+        )
+    if len(present) == 1:
+        return present[0]
+    require_vllm()
+    from vllm.transformers_utils.repo_utils import is_mistral_model_repo
+
+    return path / (MISTRAL_CONFIG if is_mistral_model_repo(str(path)) else HF_CONFIG)
+
+
+def require_vllm() -> None:
+    if unusable := vllm_unusable(load=True):
+        raise UsageError(unusable)
 
 
 def read_json(path: Path) -> object:
@@ -603,7 +629,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="leader/follower layout and extra bytes per GPU for a model and scheduler settings",
     )
     which = p.add_mutually_exclusive_group(required=True)
-    which.add_argument("--config", help="HF config.json, or a model folder holding one")
+    which.add_argument(
+        "--config",
+        help="HF config.json or Mistral params.json, or a model folder holding either",
+    )
     which.add_argument("--preset", choices=sorted(PRESETS), help="built-in model geometry")
     p.add_argument("--max-num-batched-tokens", type=whole_number(1), default=8192)
     p.add_argument("--max-num-seqs", type=whole_number(1), default=1024)

@@ -120,6 +120,8 @@ RULES: dict[str, ReleaseRules] = {
     ),
 }
 PLATFORMS = ("cuda", "rocm")
+# The DSA model vLLM builds from a Mistral-format folder's params.json.
+_MISTRAL_DSA = "MistralLarge4ForCausalLM"
 
 
 def installed_vllm() -> str | None:
@@ -221,6 +223,18 @@ def check_config(config: Mapping[str, Any], platform: str = "cuda") -> tuple[Cod
     _whole(text, "index_topk", None, 1)
     _RULE_CHECKS.get(path.rule, lambda text: None)(text)
     return path, {**text, "architectures": [architecture]}
+
+
+def from_mistral(params: dict) -> dict:
+    """params.json as vLLM's Mistral parser makes it (config.json's defaults fill no key read)."""
+    if _MISTRAL_DSA not in CODE_PATHS:
+        raise ConfigError(not_built(_MISTRAL_DSA))
+    from vllm.transformers_utils.configs.mistral import adapt_config_dict
+
+    try:
+        return adapt_config_dict(params, defaults={}).to_dict()
+    except Exception as e:  # its asserts and lookups: vLLM stops there too
+        raise ConfigError(f"vLLM's Mistral config parser refuses it: {e!r}") from None
 
 
 def not_built(architecture: str) -> str:
