@@ -823,6 +823,19 @@ MUTATIONS |= {
         "pass",
         PAST_WORKSPACE_TEST,
     ),
+    "a line that reads the impl's buffer taken for the change (a text match)": edit(
+        "carried:_hands_on",
+        "handed_on(classes.get(cls)) == {buffer}",
+        "buffer in ast.unparse(classes[cls])",
+        "tests/test_carried.py::test_a_dead_read_of_the_impls_buffer_carries_nothing",
+    ),
+    "a mix of the tree's change and the plugin's patches vouched for on a model's path": edit(
+        "carried:unvouched",
+        "all(path.values()) or not any(path.values())",
+        "True",
+        "tests/test_upstream_tree_load.py::"
+        "test_a_tree_with_only_mistral_large_4s_files_leaves_glm5_to_the_plugin",
+    ),
 }
 
 

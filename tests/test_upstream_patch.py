@@ -231,15 +231,18 @@ def hisparse_refusals(text: str) -> list[str]:
     ]
 
 
-def test_the_tree_refuses_hisparse_under_dbo_as_the_plugin_does(released, tmp_path):
-    """Both refuse HiSparse groups with followers under DBO, in the same words (the tree's
-    raise at startup runs in the change's tests)."""
+def test_the_tree_refuses_hisparse_under_dbo_for_the_plugins_reason(released, tmp_path):
+    """Both refuse HiSparse groups with followers under DBO, for the same reason and with the
+    same way out; the tree in vLLM's words (its raise at startup runs in the change's tests)."""
     tree = patched_tree(released, tmp_path)
-    from vllm_dsa_dbo.settings import NO_HISPARSE, refusal
-
-    [problem] = hisparse_refusals(Path(patches.__file__).with_name("index_group.py").read_text())
-    plugin = str(refusal(problem, NO_HISPARSE)).removeprefix("vllm-dsa-dbo: ")
-    assert hisparse_refusals((tree / INDEX_GROUP).read_text()) == [plugin]
+    [plugin] = hisparse_refusals(Path(patches.__file__).with_name("index_group.py").read_text())
+    [in_tree] = hisparse_refusals((tree / INDEX_GROUP).read_text())
+    reason = (
+        "dual batch overlap on a model with shared top-k layers (index_topk_freq > 1 or an "
+        "index_topk_pattern): its top-k staging has no microbatch dimension"
+    )
+    assert reason in plugin and reason in in_tree, (plugin, in_tree)
+    assert "--enable-dbo" in in_tree and "attention_config.hisparse_config" in in_tree
 
 
 def mypy_groups(root: Path, files: list[str]) -> dict[str, list[str]]:

@@ -73,7 +73,7 @@ class SparseMLAUbatchTopk:
         ),
         "SparseMLAIndexGroupBuilder": (
             "1aa8dcfbd96630ac7ce5c494881c7b7aa35bf2e5534978a79fc7e4c72d271b9f",
-            "6c12d5687c560f3246f330c92e4b113b5975a6f6a2405673ad551605a0d25c41",
+            "b6e159a29197d29871142247b45a823d98a908acc4cfd6c4f4d5c6204c54adab",
             '''\
 @@ 4 5
         self,
@@ -91,12 +91,10 @@ class SparseMLAUbatchTopk:
         """Under DBO the other microbatch's leader may run before a follower."""
         if isinstance(group, HiSparseMLAIndexGroup):
             raise ValueError(
-                "HiSparse cannot run with dual batch overlap on a model with shared "
+                "HiSparse does not support dual batch overlap on a model with shared "
                 "top-k layers (index_topk_freq > 1 or an index_topk_pattern): its "
-                "top-k staging has no microbatch dimension and followers would read "
-                "the other microbatch's selection. Drop --enable-dbo (and "
-                "--ubatch-size), or turn HiSparse off (attention_config."
-                "hisparse_config)."
+                "top-k staging has no microbatch dimension. Disable --enable-dbo or "
+                "HiSparse (attention_config.hisparse_config)."
             )
         group.ubatch_topk = (
             SparseMLAUbatchTopk(
@@ -251,7 +249,7 @@ def test_sparse_mla_index_group_refuses_hisparse_followers_under_dbo(monkeypatch
     kwargs = {"head_size": 656, "kv_cache_dtype": "fp8_ds_mla"}
     builder = SparseMLAIndexGroupBuilder(logical, num_ubatches=2)
     builder.register_layer(True, config, **kwargs)
-    with pytest.raises(ValueError, match="Drop --enable-dbo"):
+    with pytest.raises(ValueError, match="HiSparse does not support dual batch overlap"):
         builder.register_layer(False, config, **kwargs)
     alone = SparseMLAIndexGroupBuilder(logical)
     alone.register_layer(True, config, **kwargs)

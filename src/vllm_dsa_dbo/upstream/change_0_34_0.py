@@ -67,7 +67,7 @@ class SparseMLAUbatchTopk:
         ),
         "SparseMLAIndexGroupBuilder": (
             "e2e40be23b941133709cabd2c70ffaa115e74d5c113e385b1ac0fe7bca36438e",
-            "552212a0fca59cb52bea94766321c76042e8e505e2ff75e8d8f3f263d3687b42",
+            "d45fa114a45424d1674c19cb902046d117b92d64b8f34b1c08addf35fbb22caf",
             '''\
 @@ 4 5
         self,
@@ -85,12 +85,10 @@ class SparseMLAUbatchTopk:
         """Under DBO the other microbatch's leader may run before a follower."""
         if isinstance(group, HiSparseMLAIndexGroup):
             raise ValueError(
-                "HiSparse cannot run with dual batch overlap on a model with shared "
+                "HiSparse does not support dual batch overlap on a model with shared "
                 "top-k layers (index_topk_freq > 1 or an index_topk_pattern): its "
-                "top-k staging has no microbatch dimension and followers would read "
-                "the other microbatch's selection. Drop --enable-dbo (and "
-                "--ubatch-size), or turn HiSparse off (attention_config."
-                "hisparse_config)."
+                "top-k staging has no microbatch dimension. Disable --enable-dbo or "
+                "HiSparse (attention_config.hisparse_config)."
             )
         group.ubatch_topk = (
             SparseMLAUbatchTopk(
@@ -312,7 +310,7 @@ def test_sparse_mla_index_group_refuses_hisparse_followers_under_dbo(monkeypatch
     kwargs = {"row_width": 656, "kv_cache_dtype": "fp8_ds_mla"}
     builder = SparseMLAIndexGroupBuilder(logical, num_ubatches=2)
     builder.register_layer(True, config, **kwargs)
-    with pytest.raises(ValueError, match="Drop --enable-dbo"):
+    with pytest.raises(ValueError, match="HiSparse does not support dual batch overlap"):
         builder.register_layer(False, config, **kwargs)
     alone = SparseMLAIndexGroupBuilder(logical)
     alone.register_layer(True, config, **kwargs)
