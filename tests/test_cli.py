@@ -18,6 +18,7 @@ import pytest
 import torch.nn as nn
 
 import fresh
+import upstream_tree
 from vllm_dsa_dbo.cli import main
 from vllm_dsa_dbo.cpu_dbo import SharedTopkStack, attention_module
 from vllm_dsa_dbo.diagnostics.layout import leader_mask
@@ -55,6 +56,8 @@ def cli(*args: str, **env: str) -> subprocess.CompletedProcess:
     return run_here(main, list(args), {**environ, **env})
 
 
+# vLLM's model code: what `status --check` imports, and `status` on a release does not.
+MODEL_CODE = ("vllm.models.", "vllm.model_executor.models")
 GLM = '"architectures": ["GlmMoeDsaForCausalLM"]'
 GLM_SIZE = '"num_hidden_layers": 78, "index_topk": 2048'
 
@@ -106,12 +109,42 @@ def test_status_active():
     assert "status: importing vLLM's attention and model code" in result.stderr
 
 
-def test_status_on_the_release_imports_neither_torch_nor_vllm():
+def test_status_on_the_release_imports_none_of_vllms_model_code():
     """What made it slow: vLLM's model code, imported to check the patches (`--check`)."""
-    result = cli_without_torch("status")
+    code = (
+        "import sys\nfrom vllm_dsa_dbo.cli import main\nrc = main(['status'])\n"
+        f"print(sorted(m for m in sys.modules if m.startswith({MODEL_CODE!r})))\nsys.exit(rc)\n"
+    )
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=environ, capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "fix active" in result.stdout and "status --check" in result.stdout
-    assert result.stdout.splitlines()[-1] == "torch imported: False"
+    assert result.stdout.splitlines()[-1] == "[]"
+
+
+def test_status_reads_the_version_of_the_vllm_that_imports(tmp_path):
+    """A tree of another version over the installed release: the plugin reads
+    `vllm.__version__` and patches nothing, so status may not read the wheel's metadata."""
+    tree = tmp_path / "vllm"
+    tree.mkdir()
+    (tree / "_version.py").write_text('__version__ = "0.35.0"\n__version_tuple__ = (0, 35, 0)\n')
+    upstream_tree.link_installed(upstream_tree.installed_vllm(), tree)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp_path), env.get("PYTHONPATH")]))
+    result = fresh.python(["-m", "vllm_dsa_dbo.cli", "status"], env)
+    assert result.returncode == 1, result.stdout + result.stderr[-3000:]
+    assert "vLLM: 0.35.0 (NOT supported;" in result.stdout
+    assert "fix NOT active: vLLM 0.35.0 is not a supported release" in result.stdout
+
+
+def test_status_on_a_vllm_that_does_not_import():
+    """The release as published, but `import vllm` fails: as vLLM would, with no plugin."""
+    result = cli_without_torch("status", module="vllm.env_override")
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    refused = "ImportError: vllm.env_override: the test refuses this import"
+    assert f"fix NOT active: vLLM {version('vllm')} does not import ({refused})" in result.stdout
 
 
 def test_status_check_starts_no_background_build():

@@ -10,12 +10,10 @@ import os
 import shutil
 import subprocess
 import sys
-from importlib.metadata import PackageNotFoundError, distribution, entry_points, version
+from importlib.metadata import PackageNotFoundError, distribution, entry_points
 from importlib.util import find_spec
 from pathlib import Path
 from typing import TYPE_CHECKING
-
-from packaging.requirements import Requirement
 
 from vllm_dsa_dbo import __version__
 from vllm_dsa_dbo.diagnostics.layout import (
@@ -79,44 +77,21 @@ class UsageError(Exception):
     """Bad input: printed as `error: ...`, exit status 2."""
 
 
-def vllm_unusable(*, load: bool) -> str | None:
+def vllm_unusable() -> str | None:
     """Why the plugin cannot run this environment's vLLM, with what to install; None when
-    `import vllm` works (without `load`, quickly: when vLLM and what it requires are installed)."""
+    `import vllm` works."""
     try:
         dist = distribution("vllm")
     except PackageNotFoundError:
         dist = None
     if dist is None and find_spec("vllm") is None:
         return f"vLLM is not installed: {INSTALL_VLLM}"
-    name = "vLLM" if dist is None else f"vLLM {dist.version}"
-    if load:
-        try:
-            import vllm  # noqa: F401
-        except Exception as e:
-            return f"{name} does not import ({type(e).__name__}: {e}): {INSTALL_VLLM}"
-        return None
-    if dist is None:  # a source tree on the path: only importing it tells
-        return None
-    missing = [
-        r.name
-        for r in map(Requirement, dist.requires or ())
-        if (r.marker is None or r.marker.evaluate({"extra": ""})) and not installed(r.name)
-    ]
-    if missing:
-        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
-        return (
-            f"{name} is installed without {', '.join(missing[:3])}{more}, which it requires "
-            f"(pip check lists them): {INSTALL_VLLM}"
-        )
-    return None
-
-
-def installed(name: str) -> bool:
     try:
-        distribution(name)
-    except PackageNotFoundError:
-        return False
-    return True
+        import vllm  # noqa: F401
+    except Exception as e:
+        name = "vLLM" if dist is None else f"vLLM {dist.version}"
+        return f"{name} does not import ({type(e).__name__}: {e}): {INSTALL_VLLM}"
+    return None
 
 
 def whole_number(minimum: int):
@@ -150,29 +125,27 @@ def probability(text: str) -> float:
 
 def status(args: argparse.Namespace) -> int:
     problems = []
-    try:
-        vllm_version = version("vllm")
-    except PackageNotFoundError:
-        vllm_version = None
-    # The tests check every patch against each release; any other vLLM is checked here.
-    inspect_vllm = vllm_version is not None and (args.check or not unmodified_release())
-    unusable = vllm_unusable(load=inspect_vllm)
-    if vllm_version is None or unusable is not None:
-        problems.append(unusable or "vLLM is not installed")
-    if vllm_version is None:
-        print(f"vLLM: not installed (supported: {SUPPORTED_VLLM})")
+    unusable = vllm_unusable()
+    if unusable is not None:
+        problems.append(unusable)
+        state = "not installed" if find_spec("vllm") is None else "does NOT import"
+        print(f"vLLM: {state} (supported: {SUPPORTED_VLLM})")
     else:
-        ok = is_supported_vllm(vllm_version)
+        import vllm
+
+        ok = is_supported_vllm(vllm.__version__)
         print(
-            f"vLLM: {vllm_version} ({'supported' if ok else 'NOT supported'}; "
+            f"vLLM: {vllm.__version__} ({'supported' if ok else 'NOT supported'}; "
             f"this plugin supports {SUPPORTED_VLLM})"
         )
         if not ok:
             problems.append(
-                f"vLLM {vllm_version} is not a supported release ({SUPPORTED_VLLM}): the "
+                f"vLLM {vllm.__version__} is not a supported release ({SUPPORTED_VLLM}): the "
                 "plugin patches nothing"
             )
             print(f"guard: DBO with a shared-top-k DSA model is refused at {guard_seam()}")
+    # The tests check every patch against each release; any other vLLM is checked here.
+    inspect_vllm = unusable is None and (args.check or not unmodified_release())
 
     found = [e for e in entry_points(group=ENTRY_POINT_GROUP) if e.name == ENTRY_POINT_NAME]
     if found:
@@ -215,7 +188,7 @@ def status(args: argparse.Namespace) -> int:
     retired = retired_layout_notice()
     if retired:
         print(retired)
-    if inspect_vllm and unusable is None:
+    if inspect_vllm:
         # Importing vLLM's DeepSeek-V4.1 code starts two kernel builds, each a Python process
         # importing torch, which take the CPU and which this process waits for at exit.
         os.environ.setdefault("HUMMING_DISABLE_PARALLEL_BUILD", "1")
@@ -250,7 +223,10 @@ def unmodified_release() -> bool:
     """The vLLM that imports here is a supported release as published: installed from an
     index, every Python file as its RECORD lists it (not an edited, locally built or
     shadowing tree)."""
-    dist = distribution("vllm")
+    try:
+        dist = distribution("vllm")
+    except PackageNotFoundError:
+        return False
     spec = find_spec("vllm")
     if (
         dist.version not in RELEASES
@@ -388,7 +364,7 @@ def config_file(path: Path) -> Path:
 
 
 def require_vllm() -> None:
-    if unusable := vllm_unusable(load=True):
+    if unusable := vllm_unusable():
         raise UsageError(unusable)
 
 

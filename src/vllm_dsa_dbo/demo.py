@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     use_cpu()
-    if unusable := vllm_unusable(load=True):
+    if unusable := vllm_unusable():
         print(unusable, file=sys.stderr)
         return DEMO_NO_VLLM
     import vllm_dsa_dbo
