@@ -829,6 +829,18 @@ MUTATIONS |= {
         "buffer in ast.unparse(classes[cls])",
         "tests/test_carried.py::test_a_dead_read_of_the_impls_buffer_carries_nothing",
     ),
+    "status reads the installed wheel's version, not the vLLM that imports": edit(
+        "cli:status",
+        "is_supported_vllm(vllm.__version__)",
+        'is_supported_vllm(distribution("vllm").version)',
+        "tests/test_cli.py::test_status_reads_the_version_of_the_vllm_that_imports",
+    ),
+    "status takes a vLLM that does not import for one that does": edit(
+        "cli:vllm_unusable",
+        "import vllm",
+        "pass",
+        "tests/test_cli.py::test_status_on_a_vllm_that_does_not_import",
+    ),
     "a mix of the tree's change and the plugin's patches vouched for on a model's path": edit(
         "carried:unvouched",
         "all(path.values()) or not any(path.values())",
