@@ -119,8 +119,9 @@ def test_other_version_refuses_dbo_with_shared_topk_and_runs_the_rest(tmp_path):
     status = run_python(
         """
         import sys
+        import vllm
         from vllm_dsa_dbo import cli
-        cli.version = lambda name: "0.35.0"
+        vllm.__version__ = "0.35.0"
         sys.exit(cli.main(["status"]))
         """
     )
@@ -139,7 +140,7 @@ def test_status_installs_no_guard():
         from vllm.model_executor.model_loader import utils
         from vllm_dsa_dbo import cli
         stock = VllmConfig.__post_init__, utils.initialize_model
-        cli.version = lambda name: "0.35.0"
+        vllm.__version__ = "0.35.0"
         rc = cli.main(["status"])
         print("UNTOUCHED", (VllmConfig.__post_init__, utils.initialize_model) == stock,
               hasattr(vllm, "_vllm_dsa_dbo_guard"))

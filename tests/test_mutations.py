@@ -429,8 +429,8 @@ except KeyError:
     "vLLM's own builder left without the run's count (compiled DSA in a tree)": edit(
         "patches.mla:count_ubatches", None, "pass", LEFT_OUT_TEST
     ),
-    "traced code looks the group state up by thread": edit(
-        "patches.mla:wire", "traced_as_ubatch0(group)", "pass", TRACED_TEST
+    "traced code looks the group state up by thread (a tree)": edit(
+        "patches.mla:wire", "traced_as_ubatch0(group)", "pass", LEFT_OUT_TEST
     ),
     "ROCm DSA attention's own buffer left a plain attribute (a tree)": edit(
         "patches.rocm_dsa_attention:apply",
@@ -777,6 +777,13 @@ if patches.matters(mistral_attention.PATCH):
             f"{GUARD}::test_guard_refuses_every_index_sharing_value_but_full"
             "[vllm-full,Shared,Shared,full]",
         ),
+        "a mix of the tree's change and the plugin's patches vouched for on a model's path": edit(
+            "carried:unvouched",
+            "all(path.values()) or not any(path.values())",
+            "True",
+            "tests/test_upstream_tree_load.py::"
+            "test_a_tree_with_only_mistral_large_4s_files_leaves_glm5_to_the_plugin",
+        ),
         "Mistral on ROCm, its leaders unwired, loaded under DBO": edit(
             "diagnostics.refusals:shares_topk_across_ubatches",
             "return not (kept and group.leader_writes_follow_impl)",
@@ -840,13 +847,6 @@ MUTATIONS |= {
         "import vllm",
         "pass",
         "tests/test_cli.py::test_status_on_a_vllm_that_does_not_import",
-    ),
-    "a mix of the tree's change and the plugin's patches vouched for on a model's path": edit(
-        "carried:unvouched",
-        "all(path.values()) or not any(path.values())",
-        "True",
-        "tests/test_upstream_tree_load.py::"
-        "test_a_tree_with_only_mistral_large_4s_files_leaves_glm5_to_the_plugin",
     ),
 }
 
