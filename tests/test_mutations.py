@@ -695,8 +695,8 @@ except KeyError:
     ),
     "a tree carrying the change in part refused without naming what it lacks": edit(
         "carried:lacked",
-        "all(has.values()) or not any(has.values())",
-        "True",
+        "_lacked_in_a_mix(found())",
+        "[]",
         f"{PARTIAL_TREE_TEST}[index_group]",
     ),
     "what the patches set goes unrecorded, so a wrapper over it unnamed": edit(
@@ -779,8 +779,8 @@ if patches.matters(mistral_attention.PATCH):
         ),
         "a mix of the tree's change and the plugin's patches vouched for on a model's path": edit(
             "carried:unvouched",
-            "all(path.values()) or not any(path.values())",
-            "True",
+            "_lacked_in_a_mix({n: has for n, has in found().items() if n in on_path})",
+            "[]",
             "tests/test_upstream_tree_load.py::"
             "test_a_tree_with_only_mistral_large_4s_files_leaves_glm5_to_the_plugin",
         ),
@@ -832,7 +832,7 @@ MUTATIONS |= {
     ),
     "a line that reads the impl's buffer taken for the change (a text match)": edit(
         "carried:_hands_on",
-        "handed_on(classes.get(cls)) == {buffer}",
+        "_buffers_handed_on(classes.get(cls)) == {buffer}",
         "buffer in ast.unparse(classes[cls])",
         "tests/test_carried.py::test_a_dead_read_of_the_impls_buffer_carries_nothing",
     ),

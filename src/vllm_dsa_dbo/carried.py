@@ -66,13 +66,14 @@ def _keeps_state_per_ubatch(classes: Classes) -> bool:
     fields = {
         ast.unparse(n.target) for n in getattr(group, "body", ()) if isinstance(n, ast.AnnAssign)
     }
-    reads = set().union(*(_calls(m) for m in _methods(group).values()))
+    methods, building = _methods(group), _methods(builder)
+    reads = set().union(*map(_calls, methods.values()))
     return (
         "ubatch_topk" in fields
-        and {"_topk_state", "ubatch_topk_rows"} <= _methods(group).keys()
+        and {"_topk_state", "ubatch_topk_rows"} <= methods.keys()
         and {"self._topk_state", "self.ubatch_topk_rows"} <= reads
-        and "num_ubatches" in _params(_methods(builder).get("__init__"))
-        and "self._add_ubatch_topk" in _calls(_methods(builder).get("register_layer"))
+        and "num_ubatches" in _params(building.get("__init__"))
+        and "self._add_ubatch_topk" in _calls(building.get("register_layer"))
     )
 
 
@@ -94,7 +95,7 @@ def _getter_resolves_rows(classes: Classes) -> bool:
     )
 
 
-def handed_on(cls: ast.ClassDef | None) -> set[str]:
+def _buffers_handed_on(cls: ast.ClassDef | None) -> set[str]:
     """The top-k buffers `cls`'s methods, `__init__` aside, pass to a call: each as written, a
     local name as the method assigned it."""
     found = set()
@@ -120,7 +121,7 @@ def handed_on(cls: ast.ClassDef | None) -> set[str]:
 
 def _hands_on(cls: str, buffer: str) -> Callable[[Classes], bool]:
     """`cls`'s writers get `buffer` (the impl's, resolved per microbatch), and nothing else."""
-    return lambda classes: handed_on(classes.get(cls)) == {buffer}
+    return lambda classes: _buffers_handed_on(classes.get(cls)) == {buffer}
 
 
 def _op_takes_each_calls_buffer(classes: Classes) -> bool:
@@ -256,22 +257,21 @@ def form(
     return Form.RELEASED, f"its seam is vLLM {release}'s (sha256 {digest})"
 
 
-def lacked() -> list[str]:
-    """The change's files this vLLM lacks where it carries the change in part."""
-    has = found()
+def _lacked_in_a_mix(has: dict[str, bool]) -> list[str]:
+    """The files of the seams in `has` that lack the change, where others carry it."""
     if all(has.values()) or not any(has.values()):
         return []
     return [SEAMS[name].path for name, carried in has.items() if not carried]
+
+
+def lacked() -> list[str]:
+    """The change's files this vLLM lacks where it carries the change in part."""
+    return _lacked_in_a_mix(found())
 
 
 def unvouched(model: Any) -> list[str]:
     """The change's files on `model`'s path (the core's, and those of its layers' classes)
     that this vLLM lacks, where it carries others there: a mix the plugin does not vouch for."""
     modules = {type(m).__module__ for m in model.modules()}
-    has = found()
-    path = {
-        n: has[n] for n, seam in SEAMS.items() if n in has and (seam.core or seam.module in modules)
-    }
-    if all(path.values()) or not any(path.values()):
-        return []
-    return [SEAMS[name].path for name, carried in path.items() if not carried]
+    on_path = {n for n, seam in SEAMS.items() if seam.core or seam.module in modules}
+    return _lacked_in_a_mix({n: has for n, has in found().items() if n in on_path})
